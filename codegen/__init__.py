@@ -1,0 +1,28 @@
+"""codegen: stream-parallel host programs for PyTorch, generated as C++.
+
+Describe a tensor program, split an axis onto CUDA streams, and get a host IR, C++ source,
+a compiled torch op, and a reference evaluator. See README.md and DESIGN.md.
+"""
+
+from .errors import InternalError, ScheduleError
+from .evaluator import evaluate
+from .hostir import HostProgram
+from .ir import Fusion, IterDomain, ParallelType, TensorView, input, linear, matmul, output
+from .lowering import lower, schedule
+
+__all__ = [
+    "Fusion",
+    "HostProgram",
+    "InternalError",
+    "IterDomain",
+    "ParallelType",
+    "ScheduleError",
+    "TensorView",
+    "evaluate",
+    "input",
+    "linear",
+    "lower",
+    "matmul",
+    "output",
+    "schedule",
+]

@@ -1,0 +1,169 @@
+"""The reference interpreter of host IR: runs a HostProgram node by node with torch ops.
+
+It is the executable specification of host-IR semantics, the CPU oracle of the tests,
+and a fallback where no CUDA build is possible. Each compute node is one torch call per
+slice, writing into that slice (``torch.matmul(a_i, b, out=c_i)``), so a profiler shows
+exactly what the host program does. On CUDA, ``Stream(k)`` is the k-th stream of a pool
+that this module keeps per device; on the CPU stream nodes do nothing.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+
+import torch
+
+from . import hostir as hir
+from .errors import InternalError
+from .ir import DTYPE_NAMES
+
+
+@functools.cache
+def _worker_stream(device: torch.device, k: int) -> torch.cuda.Stream:
+    return torch.cuda.Stream(device=device)
+
+
+def _describe(x: object) -> str:
+    if isinstance(x, torch.Tensor):
+        return f"a {DTYPE_NAMES.get(x.dtype, x.dtype)} tensor of shape {list(x.shape)}"
+    return f"{type(x).__name__}"
+
+
+def check_inputs(program: hir.HostProgram, inputs: Sequence[object]) -> dict[str, int]:
+    """Checks ``inputs`` against the program's signature; returns the named extents.
+    Raises ValueError (or TypeError for a non-tensor) naming the argument."""
+    name = program.name
+    expected = [t.name for t in program.inputs]
+    if isinstance(inputs, torch.Tensor) or not isinstance(inputs, Sequence):
+        raise TypeError(f"{name}: inputs must be a list of tensors ({', '.join(expected)}), "
+                        f"got {_describe(inputs)}")
+    if len(inputs) != len(expected):
+        raise ValueError(f"{name}: expected {len(expected)} inputs ({', '.join(expected)}), "
+                         f"got {len(inputs)}")
+    device = None
+    for info, x in zip(program.inputs, inputs):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name}: argument {info.name} must be a torch.Tensor, "
+                            f"got {_describe(x)}")
+        if x.dtype != info.dtype:
+            raise ValueError(f"{name}: argument {info.name} must be "
+                             f"{DTYPE_NAMES[info.dtype]}, got {x.dtype}")
+        if x.dim() != len(info.shape):
+            raise ValueError(f"{name}: argument {info.name} must have rank {len(info.shape)} "
+                             f"{info.type_str()}, got shape {list(x.shape)}")
+        if device is None:
+            device, first = x.device, info.name
+        elif x.device != device:
+            raise ValueError(f"{name}: argument {info.name} is on {x.device} but {first} is "
+                             f"on {device}; all inputs must be on one device")
+    env: dict[str, int] = {}
+    by_name = dict(zip(expected, inputs))
+    for c in hir.dim_checks(program):
+        size = by_name[c.tensor].shape[c.axis]
+        if c.kind == "bind":
+            env[str(c.value)] = size
+            continue
+        want = c.value.evaluate(env)
+        if size != want:
+            tied = f"{c.value} = {want}" if c.kind == "same" else str(want)
+            raise ValueError(f"{name}: argument {c.tensor} axis {c.axis} must have size "
+                             f"{tied}, got {size} (shape {list(by_name[c.tensor].shape)})")
+    for k in program.constraints:
+        lhs, rhs = k.lhs.evaluate(env), k.rhs.evaluate(env)
+        if lhs != rhs:
+            raise ValueError(f"{name}: {k.what} must have equal sizes, got {k.lhs} = {lhs} "
+                             f"and {k.rhs} = {rhs}")
+    return env
+
+
+class _Interpreter:
+    def __init__(self, program: hir.HostProgram, env: dict[str, int],
+                 values: dict[str, torch.Tensor], device: torch.device) -> None:
+        self.program, self.env, self.values, self.device = program, env, values, device
+        self.cuda = device.type == "cuda"
+        self.streams: dict[str, object] = {}
+
+    def stream(self, ref: hir.StreamRef) -> torch.cuda.Stream:
+        if isinstance(ref, str):
+            return self.streams[ref]  # type: ignore[return-value]
+        k = self.env[ref.index]
+        return _worker_stream(self.device, k % ref.pool if ref.pool else k)
+
+    def run(self, nodes: list[hir.Node]) -> None:
+        for node in nodes:
+            getattr(self, type(node).__name__)(node)
+
+    # One method per node kind, named as the node.
+    def Allocate(self, n: hir.Allocate) -> None:
+        shape = [e.evaluate(self.env) for e in n.out.shape]
+        self.values[n.out.name] = torch.empty(shape, dtype=n.out.dtype, device=self.device)
+
+    def Deallocate(self, n: hir.Deallocate) -> None:
+        del self.values[n.tensor]
+
+    def GetCurrentStream(self, n: hir.GetCurrentStream) -> None:
+        self.streams[n.out] = torch.cuda.current_stream(self.device) if self.cuda else None
+
+    def SetCurrentStream(self, n: hir.SetCurrentStream) -> None:
+        if self.cuda:
+            torch.cuda.set_stream(self.stream(n.stream))
+
+    def Synchronize(self, n: hir.Synchronize) -> None:
+        if self.cuda:
+            torch.cuda.current_stream(self.device).wait_stream(self.stream(n.stream))
+
+    def ForLoop(self, n: hir.ForLoop) -> None:
+        for i in range(n.start.evaluate(self.env), n.stop.evaluate(self.env)):
+            self.env[n.index] = i
+            self.run(n.body)
+            for d in _defined(n.body):
+                self.values.pop(d, None)
+        self.env.pop(n.index, None)
+
+    def ShardByStream(self, n: hir.ShardByStream) -> None:
+        t = self.values[n.tensor]
+        size = t.shape[n.axis]
+        chunk = n.chunk.evaluate(self.env)
+        start = min(self.env[n.index] * chunk, size)
+        self.values[n.out] = t.narrow(n.axis, start, min(chunk, size - start))
+
+    def Matmul(self, n: hir.Matmul) -> None:
+        v = self.values
+        torch.matmul(v[n.a], v[n.b], out=v[n.out])
+
+    def Linear(self, n: hir.Linear) -> None:
+        v = self.values
+        x, w, out = v[n.x], v[n.w], v[n.out]
+        if n.bias is None:
+            torch.matmul(x, w.t(), out=out)
+        elif x.dim() == 2:
+            torch.addmm(v[n.bias], x, w.t(), out=out)
+        else:
+            torch.baddbmm(v[n.bias], x, w.t().expand(x.shape[0], -1, -1), out=out)
+
+
+def _defined(nodes: list[hir.Node]) -> list[str]:
+    return [d for n in nodes for d in n.defines()]
+
+
+def evaluate(program: hir.HostProgram, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Runs ``program`` on ``inputs`` (CPU or CUDA tensors); returns its outputs."""
+    if not isinstance(program, hir.HostProgram):
+        raise TypeError(f"evaluate expects a cg.HostProgram (from cg.lower), "
+                        f"got {type(program).__name__}")
+    env = check_inputs(program, inputs)
+    device = inputs[0].device if inputs else torch.device("cpu")
+    values = {t.name: x for t, x in zip(program.inputs, inputs)}
+    interp = _Interpreter(program, env, values, device)
+    caller = torch.cuda.current_stream(device) if interp.cuda else None
+    try:
+        with torch.no_grad():
+            interp.run(program.body)
+    finally:
+        if caller is not None:
+            torch.cuda.set_stream(caller)
+    missing = [o for o in program.outputs if o not in values]
+    if missing:
+        raise InternalError(f"{program.name}: outputs {missing} were never computed")
+    return [values[o] for o in program.outputs]

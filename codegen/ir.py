@@ -1,0 +1,616 @@
+"""Fusion IR: tensors, IterDomains, splits, ops. No CUDA here.
+
+A TensorView has a *logical* domain (its shape, plus the reduction axis of the op that
+defines it) and a *loop* domain, derived from the logical one by splits and reorders.
+Scheduling one loop IterDomain with ``ParallelType.Stream`` asks the lowering to run the
+op as a loop over stream slices of the logical axis that IterDomain came from.
+
+Extents are small integer expressions (:class:`Expr`): constants, named symbols (a ``str``
+extent of :func:`input`; the same name means the same size), and ``ceilDiv`` after a split.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import copy
+import dataclasses
+import enum
+import re
+from collections.abc import Iterator, Mapping, Sequence
+
+import torch
+
+from .errors import ScheduleError
+
+# ---------------------------------------------------------------------------- extents
+
+
+class Expr:
+    """An integer expression over named extents. Immutable, hashable, printable."""
+
+    def evaluate(self, env: Mapping[str, int]) -> int:
+        raise NotImplementedError
+
+    def symbols(self) -> Iterator[str]:
+        yield from ()
+
+
+@dataclasses.dataclass(frozen=True)
+class Const(Expr):
+    value: int
+
+    def evaluate(self, env: Mapping[str, int]) -> int:
+        return self.value
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+
+@dataclasses.dataclass(frozen=True)
+class Sym(Expr):
+    name: str
+
+    def evaluate(self, env: Mapping[str, int]) -> int:
+        return env[self.name]
+
+    def symbols(self) -> Iterator[str]:
+        yield self.name
+
+    def __str__(self) -> str:
+        return self.name
+
+
+@dataclasses.dataclass(frozen=True)
+class BinaryExpr(Expr):
+    lhs: Expr
+    rhs: Expr
+
+    def symbols(self) -> Iterator[str]:
+        yield from self.lhs.symbols()
+        yield from self.rhs.symbols()
+
+
+class CeilDiv(BinaryExpr):
+    def evaluate(self, env: Mapping[str, int]) -> int:
+        return -(-self.lhs.evaluate(env) // self.rhs.evaluate(env))
+
+    def __str__(self) -> str:
+        return f"ceilDiv({self.lhs}, {self.rhs})"
+
+
+class Mul(BinaryExpr):
+    def evaluate(self, env: Mapping[str, int]) -> int:
+        return self.lhs.evaluate(env) * self.rhs.evaluate(env)
+
+    def __str__(self) -> str:
+        return f"{self.lhs} * {self.rhs}"
+
+
+class Min(BinaryExpr):
+    def evaluate(self, env: Mapping[str, int]) -> int:
+        return min(self.lhs.evaluate(env), self.rhs.evaluate(env))
+
+    def __str__(self) -> str:
+        return f"min({self.lhs}, {self.rhs})"
+
+
+def ceil_div(a: Expr, b: Expr) -> Expr:
+    if isinstance(a, Const) and isinstance(b, Const):
+        return Const(-(-a.value // b.value))
+    if b == Const(1):
+        return a
+    return CeilDiv(a, b)
+
+
+def mul(a: Expr, b: Expr) -> Expr:
+    if isinstance(a, Const) and isinstance(b, Const):
+        return Const(a.value * b.value)
+    if a == Const(1):
+        return b
+    if b == Const(1):
+        return a
+    return Mul(a, b)
+
+
+def minimum(a: Expr, b: Expr) -> Expr:
+    if isinstance(a, Const) and isinstance(b, Const):
+        return Const(min(a.value, b.value))
+    if a == b:
+        return a
+    return Min(a, b)
+
+
+# ---------------------------------------------------------------------------- domains
+
+
+class IterType(enum.Enum):
+    Iteration = "i"
+    Reduction = "r"
+
+
+class ParallelType(enum.Enum):
+    Serial = "S"
+    Stream = "Stream"
+
+
+@dataclasses.dataclass(eq=False)
+class IterDomain:
+    """One axis of a domain. ``definition`` is the split that produced it, if any."""
+
+    extent: Expr
+    iter_type: IterType = IterType.Iteration
+    parallel_type: ParallelType = ParallelType.Serial
+    definition: Split | None = None
+    owner: TensorView | None = dataclasses.field(default=None, repr=False)
+
+    @property
+    def is_reduction(self) -> bool:
+        return self.iter_type is IterType.Reduction
+
+    @property
+    def is_stream(self) -> bool:
+        return self.parallel_type is ParallelType.Stream
+
+    def parallelize(self, parallel_type: ParallelType) -> IterDomain:
+        """Marks this loop axis; ``ParallelType.Stream`` runs its slices on CUDA streams."""
+        if not isinstance(parallel_type, ParallelType):
+            raise ScheduleError(
+                f"parallelize expects a cg.ParallelType, got {parallel_type!r}"
+            )
+        owner = self.owner
+        where = f"{owner.name} axis {owner.loop.index(self)} ({self})" if owner else str(self)
+        if parallel_type is ParallelType.Stream:
+            if self.is_reduction:
+                raise ScheduleError(
+                    f"{where}: a reduction axis cannot be stream-parallel (that would be a "
+                    "split-K across streams, which codegen does not implement); put the "
+                    "stream on an iteration axis of the output instead"
+                )
+            if owner is not None:
+                other = owner.stream_id()
+                if other is not None and other is not self:
+                    raise ScheduleError(
+                        f"{where}: {owner.name} already has a stream axis at loop position "
+                        f"{owner.loop.index(other)} ({other}); a tensor can have only one"
+                    )
+        self.parallel_type = parallel_type
+        return self
+
+    def __str__(self) -> str:
+        tag = "Stream" if self.is_stream else ""
+        return f"{self.iter_type.value}{tag}{{{self.extent}}}"
+
+
+@dataclasses.dataclass(eq=False)
+class Split:
+    """``input`` -> (``outer``, ``inner``). An inner split fixes the inner extent to
+    ``factor``; an outer split fixes the outer extent. The other is ``ceilDiv``."""
+
+    input: IterDomain
+    factor: int
+    inner_split: bool
+    outer: IterDomain
+    inner: IterDomain
+
+
+# ---------------------------------------------------------------------------- tensors
+
+DTYPE_NAMES = {
+    torch.float32: "float32",
+    torch.float16: "float16",
+    torch.bfloat16: "bfloat16",
+    torch.float64: "float64",
+}
+
+
+@dataclasses.dataclass(eq=False)
+class TensorView:
+    name: str
+    dtype: torch.dtype
+    logical: list[IterDomain]
+    definition: Op | None = None
+    loop: list[IterDomain] = dataclasses.field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.loop:
+            self.loop = list(self.logical)
+        for i in self.logical:
+            i.owner = self
+
+    # -- shape
+    @property
+    def shape(self) -> list[Expr]:
+        """Extents of the non-reduction logical axes: the tensor's runtime shape."""
+        return [i.extent for i in self.logical if not i.is_reduction]
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    # -- scheduling
+    def _loop_axis(self, axis: int, what: str) -> int:
+        if isinstance(axis, bool) or not isinstance(axis, int):
+            raise ScheduleError(f"{self.name}.{what}: axis must be an int, got {axis!r}")
+        n = len(self.loop)
+        if not -n <= axis < n:
+            raise ScheduleError(
+                f"{self.name}.{what}: axis {axis} is out of range for a loop domain of "
+                f"{n} axes {self.loop_str()}"
+            )
+        return axis % n
+
+    def axis(self, axis: int) -> IterDomain:
+        """The loop IterDomain at ``axis`` (negative counts from the end)."""
+        return self.loop[self._loop_axis(axis, "axis")]
+
+    def _split(self, axis: int, factor: int, inner_split: bool) -> TensorView:
+        what = "split" if inner_split else "outer_split"
+        pos = self._loop_axis(axis, what)
+        if isinstance(factor, bool) or not isinstance(factor, int):
+            raise ScheduleError(
+                f"{self.name}.{what}(axis={axis}): factor must be an int, got {factor!r}"
+            )
+        if factor < 1:
+            raise ScheduleError(
+                f"{self.name}.{what}(axis={axis}): factor must be >= 1, got {factor}"
+            )
+        parent = self.loop[pos]
+        if parent.is_stream:
+            raise ScheduleError(
+                f"{self.name}.{what}(axis={axis}): {parent} is already stream-parallel; "
+                "split first, then parallelize one of the results"
+            )
+        fixed, rest = Const(factor), ceil_div(parent.extent, Const(factor))
+        outer_extent, inner_extent = (rest, fixed) if inner_split else (fixed, rest)
+        outer = IterDomain(outer_extent, parent.iter_type, owner=self)
+        inner = IterDomain(inner_extent, parent.iter_type, owner=self)
+        split = Split(parent, factor, inner_split, outer, inner)
+        outer.definition = inner.definition = split
+        self.loop[pos : pos + 1] = [outer, inner]
+        return self
+
+    def split(self, axis: int, factor: int) -> TensorView:
+        """Inner split: loop axis of extent n becomes ``[ceilDiv(n, factor), factor]``."""
+        return self._split(axis, factor, inner_split=True)
+
+    def outer_split(self, axis: int, factor: int) -> TensorView:
+        """Outer split: loop axis of extent n becomes ``[factor, ceilDiv(n, factor)]``."""
+        return self._split(axis, factor, inner_split=False)
+
+    def reorder(self, order: Mapping[int, int] | Sequence[int]) -> TensorView:
+        """``{old: new}`` moves the named axes (others keep their relative order), or a
+        full permutation: the old positions in their new order."""
+        n = len(self.loop)
+        if isinstance(order, Mapping):
+            moves = {self._loop_axis(o, "reorder"): self._loop_axis(d, "reorder")
+                     for o, d in order.items()}
+            if len(set(moves.values())) != len(moves):
+                raise ScheduleError(
+                    f"{self.name}.reorder({dict(order)}): two axes moved to one position"
+                )
+            rest = iter(i for i in range(n) if i not in moves)
+            by_new = {d: o for o, d in moves.items()}
+            perm = [by_new[p] if p in by_new else next(rest) for p in range(n)]
+        else:
+            perm = [self._loop_axis(o, "reorder") for o in order]
+            if sorted(perm) != list(range(n)):
+                raise ScheduleError(
+                    f"{self.name}.reorder({list(order)}): expected a permutation of "
+                    f"0..{n - 1}"
+                )
+        self.loop = [self.loop[p] for p in perm]
+        return self
+
+    def stream_id(self) -> IterDomain | None:
+        """The stream IterDomain wherever it is in the loop domain (not only in front)."""
+        found = [i for i in self.loop if i.is_stream]
+        return found[0] if found else None
+
+    # -- printing
+    def loop_str(self) -> str:
+        return "[" + ", ".join(map(str, self.loop)) + "]"
+
+    def logical_str(self) -> str:
+        return "[" + ", ".join(map(str, self.logical)) + "]"
+
+    def __str__(self) -> str:
+        text = f"{self.name}: {DTYPE_NAMES[self.dtype]}{self.logical_str()}"
+        if self.loop != self.logical:
+            text += f" loop {self.loop_str()}"
+        return text
+
+    def __hash__(self) -> int:
+        return id(self)
+
+
+# ---------------------------------------------------------------------------- ops
+
+Operand = tuple[str, int]  # (operand name in the op, logical axis)
+
+
+@dataclasses.dataclass(eq=False)
+class Op:
+    """Base of compute ops. ``axis_groups`` says which logical axes are one dimension."""
+
+    out: TensorView
+
+    def operands(self) -> dict[str, TensorView]:
+        raise NotImplementedError
+
+    def axis_groups(self) -> list[list[Operand]]:
+        """Groups of (operand, axis) that index one dimension; the output's axis is last.
+        A group whose output axis is a reduction is a contraction."""
+        raise NotImplementedError
+
+    def inputs(self) -> list[TensorView]:
+        return [t for k, t in self.operands().items() if k != "out"]
+
+    @property
+    def kind(self) -> str:
+        return type(self).__name__.removesuffix("Op")
+
+    def __str__(self) -> str:
+        args = ", ".join(t.name for t in self.inputs())
+        return f"{self.out.name} = {self.kind.lower()}({args})"
+
+
+@dataclasses.dataclass(eq=False)
+class MatmulOp(Op):
+    """``out = a @ b``: 2-D x 2-D, 3-D x 3-D (batched) and 3-D x 2-D (broadcast b)."""
+
+    a: TensorView = None  # type: ignore[assignment]
+    b: TensorView = None  # type: ignore[assignment]
+
+    def operands(self) -> dict[str, TensorView]:
+        return {"a": self.a, "b": self.b, "out": self.out}
+
+    def axis_groups(self) -> list[list[Operand]]:
+        ra, rb = self.a.ndim, self.b.ndim
+        groups: list[list[Operand]] = []
+        if ra == 3:
+            batch: list[Operand] = [("a", 0)] + ([("b", 0)] if rb == 3 else [])
+            groups.append(batch + [("out", 0)])
+        o = ra - 2
+        groups.append([("a", ra - 2), ("out", o)])
+        groups.append([("b", rb - 1), ("out", o + 1)])
+        groups.append([("a", ra - 1), ("b", rb - 2), ("out", o + 2)])
+        return groups
+
+
+@dataclasses.dataclass(eq=False)
+class LinearOp(Op):
+    """``out = x @ w.T + bias`` with x 2-D or 3-D, w ``[n, k]``, bias ``[n]`` or None."""
+
+    x: TensorView = None  # type: ignore[assignment]
+    w: TensorView = None  # type: ignore[assignment]
+    bias: TensorView | None = None
+
+    def operands(self) -> dict[str, TensorView]:
+        ops = {"x": self.x, "w": self.w}
+        if self.bias is not None:
+            ops["bias"] = self.bias
+        ops["out"] = self.out
+        return ops
+
+    def axis_groups(self) -> list[list[Operand]]:
+        rx = self.x.ndim
+        groups: list[list[Operand]] = [[("x", d), ("out", d)] for d in range(rx - 1)]
+        n_group: list[Operand] = [("w", 0)] + ([("bias", 0)] if self.bias is not None else [])
+        groups.append(n_group + [("out", rx - 1)])
+        groups.append([("x", rx - 1), ("w", 1), ("out", rx)])
+        return groups
+
+
+# ---------------------------------------------------------------------------- fusion
+
+_current: contextvars.ContextVar[Fusion | None] = contextvars.ContextVar(
+    "codegen_fusion", default=None
+)
+_IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+class Fusion:
+    """A tensor program. Use as a context manager around ``input``/ops/``output``."""
+
+    def __init__(self, name: str = "fusion") -> None:
+        if not isinstance(name, str) or not _IDENT.fullmatch(name):
+            raise ScheduleError(
+                f"Fusion name must be a C identifier (letters, digits, _), got {name!r}"
+            )
+        self.name = name
+        self.inputs: list[TensorView] = []
+        self.outputs: list[TensorView] = []
+        self.ops: list[Op] = []
+        self._token: contextvars.Token | None = None
+
+    def __enter__(self) -> Fusion:
+        if _current.get() is not None:
+            raise ScheduleError("Fusion contexts cannot be nested")
+        self._token = _current.set(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        assert self._token is not None
+        _current.reset(self._token)
+        self._token = None
+
+    @property
+    def tensors(self) -> list[TensorView]:
+        """Every tensor in definition order: inputs first, then op outputs."""
+        return self.inputs + [op.out for op in self.ops]
+
+    def _fresh_name(self) -> str:
+        return f"T{len(self.inputs) + len(self.ops)}"
+
+    def _check_name(self, name: str) -> str:
+        if not isinstance(name, str) or not _IDENT.fullmatch(name):
+            raise ScheduleError(f"tensor name must be a C identifier, got {name!r}")
+        if any(t.name == name for t in self.tensors):
+            raise ScheduleError(f"tensor name {name!r} is used twice in Fusion {self.name}")
+        return name
+
+    def clone(self) -> Fusion:
+        """A deep copy, so that lowering never edits the user's fusion."""
+        token, self._token = self._token, None  # a context token cannot be copied
+        try:
+            return copy.deepcopy(self)
+        finally:
+            self._token = token
+
+    def symbols(self) -> list[str]:
+        """Named extents of the inputs, in first-use order."""
+        seen: dict[str, None] = {}
+        for t in self.inputs:
+            for e in t.shape:
+                for s in e.symbols():
+                    seen.setdefault(s)
+        return list(seen)
+
+    def __str__(self) -> str:
+        lines = [f"Fusion {self.name}:"]
+        for t in self.inputs:
+            lines.append(f"  input {t}")
+        for op in self.ops:
+            lines.append(f"  {op}  # {op.out}")
+        lines.append("  outputs " + ", ".join(t.name for t in self.outputs))
+        return "\n".join(lines)
+
+
+def current_fusion(what: str) -> Fusion:
+    fusion = _current.get()
+    if fusion is None:
+        raise ScheduleError(f"cg.{what} must be called inside `with cg.Fusion(...)`")
+    return fusion
+
+
+def _owned(fusion: Fusion, t: object, op: str, arg: str) -> TensorView:
+    if not isinstance(t, TensorView):
+        raise ScheduleError(f"{op}: argument {arg} must be a tensor of the fusion, got "
+                            f"{type(t).__name__}")
+    if t not in fusion.tensors:
+        raise ScheduleError(f"{op}: argument {arg} ({t.name}) belongs to another Fusion")
+    return t
+
+
+def input(  # noqa: A001 - the public API name is fixed by DESIGN.md
+    shape: Sequence[int | str | None], dtype: torch.dtype = torch.float32,
+    name: str | None = None,
+) -> TensorView:
+    """A fusion input. Extents: int = fixed, str = named symbol, None = free."""
+    fusion = current_fusion("input")
+    name = fusion._check_name(name or fusion._fresh_name())
+    if dtype not in DTYPE_NAMES:
+        raise ScheduleError(
+            f"input {name}: dtype {dtype} is not supported; use one of "
+            + ", ".join(DTYPE_NAMES.values())
+        )
+    if isinstance(shape, (str, int)) or not isinstance(shape, Sequence):
+        raise ScheduleError(f"input {name}: shape must be a list, got {shape!r}")
+    ids = []
+    for d, e in enumerate(shape):
+        if e is None:
+            extent: Expr = Sym(f"{name}_size{d}")
+        elif isinstance(e, bool):
+            raise ScheduleError(f"input {name}: extent {d} must be int, str or None, got {e!r}")
+        elif isinstance(e, int):
+            if e < 0:
+                raise ScheduleError(f"input {name}: extent {d} must be >= 0, got {e}")
+            extent = Const(e)
+        elif isinstance(e, str):
+            if not _IDENT.fullmatch(e):
+                raise ScheduleError(
+                    f"input {name}: extent name {e!r} (axis {d}) must be an identifier"
+                )
+            extent = Sym(e)
+        else:
+            raise ScheduleError(
+                f"input {name}: extent {d} must be int, str or None, got {e!r}"
+            )
+        ids.append(IterDomain(extent))
+    t = TensorView(name, dtype, ids)
+    fusion.inputs.append(t)
+    return t
+
+
+def _unify(op: str, group: list[tuple[str, TensorView, int]]) -> Expr:
+    """The extent of one dimension shared by several operands; fixed sizes must agree."""
+    extents = [(n, t, a, t.shape[a]) for n, t, a in group]
+    consts = {e.value for *_, e in extents if isinstance(e, Const)}
+    if len(consts) > 1:
+        found = ", ".join(f"{n}={t.name} axis {a} is {e}" for n, t, a, e in extents)
+        raise ScheduleError(f"{op}: sizes that must be equal differ: {found}")
+    for *_, e in extents:
+        if isinstance(e, Const):
+            return e
+    return extents[0][3]
+
+
+def _define(fusion: Fusion, op: Op, dtype: torch.dtype) -> TensorView:
+    """Creates ``op.out`` from the op's axis groups and records the op."""
+    operands = op.operands()
+    groups = op.axis_groups()
+    out_ids = []
+    opname = op.kind.lower()
+    for g in groups:
+        members = [(n, operands[n], a) for n, a in g if n != "out"]
+        extent = _unify(opname, members)
+        is_contraction = g is groups[-1]  # axis_groups lists the contraction last
+        out_ids.append(
+            IterDomain(extent, IterType.Reduction if is_contraction else IterType.Iteration)
+        )
+    op.out = TensorView(fusion._fresh_name(), dtype, out_ids, definition=op)
+    fusion.ops.append(op)
+    return op.out
+
+
+def _same_dtype(op: str, **tensors: TensorView) -> torch.dtype:
+    dtypes = {t.dtype for t in tensors.values()}
+    if len(dtypes) > 1:
+        found = ", ".join(f"{k}={t.name} is {DTYPE_NAMES[t.dtype]}" for k, t in tensors.items())
+        raise ScheduleError(f"{op}: all operands must have one dtype, found {found}")
+    return dtypes.pop()
+
+
+def matmul(a: TensorView, b: TensorView) -> TensorView:
+    """``a @ b`` for 2-D x 2-D, 3-D x 3-D (batched) and 3-D x 2-D."""
+    fusion = current_fusion("matmul")
+    a, b = _owned(fusion, a, "matmul", "a"), _owned(fusion, b, "matmul", "b")
+    if (a.ndim, b.ndim) not in ((2, 2), (3, 3), (3, 2)):
+        raise ScheduleError(
+            f"matmul: supported ranks are 2-D x 2-D, 3-D x 3-D and 3-D x 2-D; got "
+            f"a={a.name} of rank {a.ndim} and b={b.name} of rank {b.ndim}"
+        )
+    dtype = _same_dtype("matmul", a=a, b=b)
+    return _define(fusion, MatmulOp(out=None, a=a, b=b), dtype)  # type: ignore[arg-type]
+
+
+def linear(x: TensorView, w: TensorView, bias: TensorView | None = None) -> TensorView:
+    """``x @ w.T + bias``: x ``[.., k]`` (2-D or 3-D), w ``[n, k]``, bias ``[n]``."""
+    fusion = current_fusion("linear")
+    x, w = _owned(fusion, x, "linear", "x"), _owned(fusion, w, "linear", "w")
+    if bias is not None:
+        bias = _owned(fusion, bias, "linear", "bias")
+        if bias.ndim != 1:
+            raise ScheduleError(f"linear: bias ({bias.name}) must be 1-D, got rank {bias.ndim}")
+    if x.ndim not in (2, 3) or w.ndim != 2:
+        raise ScheduleError(
+            f"linear: x must be 2-D or 3-D and w 2-D; got x={x.name} of rank {x.ndim}, "
+            f"w={w.name} of rank {w.ndim}"
+        )
+    tensors = {"x": x, "w": w} | ({"bias": bias} if bias is not None else {})
+    dtype = _same_dtype("linear", **tensors)
+    op = LinearOp(out=None, x=x, w=w, bias=bias)  # type: ignore[arg-type]
+    return _define(fusion, op, dtype)
+
+
+def output(t: TensorView) -> None:
+    """Marks ``t`` as an output of the fusion (the op returns outputs in this order)."""
+    fusion = current_fusion("output")
+    t = _owned(fusion, t, "output", "t")
+    if t.definition is None:
+        raise ScheduleError(
+            f"output: {t.name} is a fusion input; outputs must be computed by an op"
+        )
+    if t in fusion.outputs:
+        raise ScheduleError(f"output: {t.name} is already an output")
+    fusion.outputs.append(t)

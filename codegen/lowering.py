@@ -1,0 +1,58 @@
+"""The pass driver: Fusion -> HostProgram.
+
+``CODEGEN_DUMP=ir,hostir`` prints the fusion after each fusion pass and the host program
+after each host-IR pass (to stderr). ``verify`` runs after every host-IR pass.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from . import hostir as hir
+from . import passes
+from .errors import ScheduleError
+from .ir import Fusion
+
+
+def _dump_stages() -> set[str]:
+    return {s.strip() for s in os.environ.get("CODEGEN_DUMP", "").split(",") if s.strip()}
+
+
+def _dump(title: str, text: str) -> None:
+    print(f"=== {title} ===\n{text}", file=sys.stderr)
+
+
+def lower(fusion: Fusion, *, pool_size: int = 4) -> hir.HostProgram:
+    """Runs the fusion passes on a copy of ``fusion``, builds the host program and runs the
+    host-IR passes. ``pool_size`` bounds the number of worker streams."""
+    if not isinstance(fusion, Fusion):
+        raise ScheduleError(f"lower expects a cg.Fusion, got {type(fusion).__name__}")
+    if isinstance(pool_size, bool) or not isinstance(pool_size, int) or pool_size < 1:
+        raise ScheduleError(f"lower: pool_size must be an int >= 1, got {pool_size!r}")
+    if not fusion.outputs:
+        raise ScheduleError(f"Fusion {fusion.name} has no outputs; call cg.output(t)")
+    dump = _dump_stages()
+    work = fusion.clone()
+    for fusion_pass in passes.FUSION_PASSES:
+        work = fusion_pass(work)
+        if "ir" in dump:
+            _dump(f"ir after {fusion_pass.__name__}", str(work))
+    segments = passes.segment(work)
+    plan = passes.plan_allocations(work, segments)
+    program = hir.verify(passes.build_host_program(work, segments, plan, pool_size))
+    if "hostir" in dump:
+        _dump("hostir after build_host_program", str(program))
+    for host_pass in hir.HOSTIR_PASSES:
+        program = hir.verify(host_pass(program))
+        if "hostir" in dump:
+            _dump(f"hostir after {host_pass.__name__}", str(program))
+    return program
+
+
+def schedule(fusion: Fusion) -> Fusion:
+    """The fusion after the fusion passes (propagated and validated), for printing."""
+    work = fusion.clone()
+    for fusion_pass in passes.FUSION_PASSES:
+        work = fusion_pass(work)
+    return work

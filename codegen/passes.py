@@ -1,0 +1,407 @@
+"""Fusion passes: from a scheduled Fusion to the segments and allocations of a host program.
+
+Each pass is a small function; its docstring says what holds before and after it. They
+run on a clone of the user's fusion (see ``lowering.lower``), so editing loop domains in
+place is fine here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+from . import hostir as hir
+from .errors import InternalError, ScheduleError
+from .ir import (
+    Const,
+    Expr,
+    Fusion,
+    IterDomain,
+    LinearOp,
+    MatmulOp,
+    Op,
+    ParallelType,
+    Split,
+    TensorView,
+    ceil_div,
+    mul,
+)
+
+# ---------------------------------------------------------------------------- analysis
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamSplit:
+    """How a tensor's shape axis is cut into stream slices.
+
+    ``chain`` lists the splits from the logical axis down to the stream IterDomain as
+    (inner_split, factor); slice i covers ``[i*chunk, min((i+1)*chunk, n))`` and there
+    are ``count`` slices (the last may be short or empty).
+    """
+
+    axis: int
+    chain: tuple[tuple[bool, int], ...]
+    count: Expr
+    chunk: Expr
+
+    def describe(self) -> str:
+        splits = ", ".join(f"{'split' if inner else 'outer_split'}({f})"
+                           for inner, f in self.chain) or "no split"
+        return f"axis {self.axis} [{splits}]"
+
+
+def _split_children(tv: TensorView) -> dict[int, Split]:
+    """Maps id(IterDomain) -> the split that consumed it, found from the loop domain up."""
+    consumed: dict[int, Split] = {}
+    todo = list(tv.loop)
+    while todo:
+        i = todo.pop()
+        if i.definition is not None and id(i.definition.input) not in consumed:
+            consumed[id(i.definition.input)] = i.definition
+            todo.append(i.definition.input)
+    return consumed
+
+
+def stream_split(tv: TensorView) -> StreamSplit | None:
+    """The stream split of ``tv``, found anywhere in its loop domain, or None."""
+    sid = tv.stream_id()
+    if sid is None:
+        return None
+    chain: list[tuple[bool, int]] = []
+    node = sid
+    while node.definition is not None:
+        split = node.definition
+        if node is split.inner:
+            raise ScheduleError(
+                f"{tv.name}: the stream axis {sid} is the inner part of a split of "
+                f"{split.input}; its slices would not be contiguous ranges. Parallelize "
+                "the outer part instead (outer_split(axis, S) gives S slices)"
+            )
+        chain.append((split.inner_split, split.factor))
+        node = split.input
+    if node not in tv.logical:
+        raise InternalError(f"{tv.name}: stream axis {sid} does not come from the logical domain")
+    axis = [i for i in tv.logical if not i.is_reduction].index(node)
+    chain.reverse()
+    return StreamSplit(axis, tuple(chain), sid.extent, _chain_chunk(node.extent, tuple(chain)))
+
+
+def replay_stream_split(tv: TensorView, axis: int, split: StreamSplit) -> None:
+    """Applies ``split``'s chain to ``tv``'s shape axis ``axis`` and marks it Stream."""
+    node = [i for i in tv.logical if not i.is_reduction][axis]
+    for inner_split, factor in split.chain:
+        if node not in tv.loop:
+            raise ScheduleError(
+                f"cannot propagate the stream split {split.describe()} to {tv.name} axis "
+                f"{axis}: that axis was already split by the schedule {tv.loop_str()}"
+            )
+        pos = tv.loop.index(node)
+        tv._split(pos, factor, inner_split)
+        node = tv.loop[pos]
+    if node not in tv.loop:
+        raise ScheduleError(
+            f"cannot propagate the stream split {split.describe()} to {tv.name} axis {axis}: "
+            f"that axis was already split by the schedule {tv.loop_str()}"
+        )
+    node.parallelize(ParallelType.Stream)
+
+
+def operand_tensor(op: Op, operand: str) -> TensorView:
+    return op.operands()[operand]
+
+
+def stream_group(op: Op) -> list[tuple[str, int]]:
+    """The (operand, axis) pairs that index the same dimension as the output's stream
+    axis; empty if the output is not stream-parallel."""
+    split = stream_split(op.out)
+    if split is None:
+        return []
+    for group in op.axis_groups()[:-1]:  # the last group is the contraction
+        if ("out", split.axis) in group:
+            return group
+    raise InternalError(f"{op}: stream axis {split.axis} is in no iteration group")
+
+
+def consumers(fusion: Fusion, tv: TensorView) -> list[tuple[Op, str]]:
+    return [(op, name) for op in fusion.ops for name, t in op.operands().items()
+            if t is tv and name != "out"]
+
+
+# ---------------------------------------------------------------------------- passes
+
+FusionPass = Callable[[Fusion], Fusion]
+
+
+def validate_schedule(fusion: Fusion) -> Fusion:
+    """Before: any user schedule. After: every tensor has at most one stream axis, in its
+    loop domain, on an iteration axis, reachable from a logical axis by outer parts of
+    splits (so each slice is a contiguous range)."""
+    for tv in fusion.tensors:
+        seen_ids = list(tv.logical)
+        for split in _split_children(tv).values():
+            seen_ids += [split.outer, split.inner]
+        streams = [i for i in dict.fromkeys(seen_ids) if i.is_stream]
+        if len(streams) > 1:
+            raise ScheduleError(
+                f"{tv.name} has {len(streams)} stream axes ({', '.join(map(str, streams))}); "
+                "a tensor can have only one"
+            )
+        for s in streams:
+            if s not in tv.loop:
+                raise ScheduleError(
+                    f"{tv.name}: stream axis {s} is not in the loop domain "
+                    f"{tv.loop_str()} (it was split after being parallelized)"
+                )
+            if s.is_reduction:
+                raise ScheduleError(
+                    f"{tv.name}: stream axis {s} is a reduction axis; split-K across "
+                    "streams is not implemented"
+                )
+        stream_split(tv)  # raises for an inner-split stream axis
+    return fusion
+
+
+def propagate_stream_sharding(fusion: Fusion) -> Fusion:
+    """Spreads each stream split to the tensors that share its dimension, through the ops'
+    iteration groups, producer to consumer and back (breadth first, definition order).
+
+    Before: the user scheduled some tensors (usually one output).
+    After: every tensor reachable through iteration groups from a scheduled tensor, and
+    not scheduled itself, has the same split chain on its mapped axis, marked Stream.
+    Contractions (a matmul's k) never carry a stream split: a producer split on what its
+    consumer contracts stays with the producer.
+    """
+    queue = [tv for tv in fusion.tensors if tv.stream_id() is not None]
+    while queue:
+        src = queue.pop(0)
+        split = stream_split(src)
+        assert split is not None
+        for op in fusion.ops:
+            operands = op.operands()
+            for group in op.axis_groups()[:-1]:
+                names = [n for n, a in group if operands[n] is src and a == split.axis]
+                if not names:
+                    continue
+                for n, a in group:
+                    dst = operands[n]
+                    if dst is src or dst.stream_id() is not None:
+                        continue
+                    replay_stream_split(dst, a, split)
+                    queue.append(dst)
+    return fusion
+
+
+def check_stream_consistency(fusion: Fusion) -> Fusion:
+    """Before: propagated schedules. After: every stream split on a fusion input is honoured
+    by each op that reads it (the op loops over the same dimension with the same splits);
+    otherwise raises ScheduleError. Intermediates need no check: a consumer that loops
+    differently reads the producer's whole result."""
+    for tv in fusion.inputs:
+        split = stream_split(tv)
+        if split is None:
+            continue
+        for op, name in consumers(fusion, tv):
+            out_split = stream_split(op.out)
+            group = stream_group(op)
+            if out_split is None or (name, split.axis) not in group:
+                loop = (f"loops over {op.out.name} {out_split.describe()}" if out_split
+                        else "is not stream-parallel")
+                raise ScheduleError(
+                    f"conflicting stream splits: {tv.name} {split.describe()} is on streams "
+                    f"but {op.kind.lower()} {op.out.name} {loop}, which does not slice "
+                    f"{tv.name} along axis {split.axis}; remove one of the two schedules"
+                )
+            if out_split.chain != split.chain:
+                raise ScheduleError(
+                    f"conflicting stream splits: {tv.name} {split.describe()} but "
+                    f"{op.kind.lower()} {op.out.name} {out_split.describe()}; the same "
+                    "dimension must be split the same way"
+                )
+    return fusion
+
+
+def move_stream_to_front(fusion: Fusion) -> Fusion:
+    """Before: a stream IterDomain anywhere in a loop domain. After: at position 0, other
+    axes in their order (the host loop is the outermost loop)."""
+    for tv in fusion.tensors:
+        sid = tv.stream_id()
+        if sid is not None:
+            tv.reorder({tv.loop.index(sid): 0})
+    return fusion
+
+
+FUSION_PASSES: tuple[FusionPass, ...] = (
+    validate_schedule,
+    propagate_stream_sharding,
+    check_stream_consistency,
+    move_stream_to_front,
+)
+
+# ---------------------------------------------------------------------------- segments
+
+
+@dataclasses.dataclass
+class Segment:
+    """Consecutive ops that run in one host loop over stream slices (or in none)."""
+
+    ops: list[Op]
+    split: StreamSplit | None
+    # (op position in ops, operand name) -> the axis sliced in the loop
+    sliced: dict[tuple[int, str], int] = dataclasses.field(default_factory=dict)
+
+
+def _slices(op: Op) -> dict[str, int]:
+    return dict(stream_group(op))
+
+
+def segment(fusion: Fusion) -> list[Segment]:
+    """Groups ops into loops. Before: stream axes in front. After: a list of segments in
+    definition order. An op joins the current segment when its output is split the same
+    way and every operand produced earlier in the segment is read slice by slice along
+    the axis it was produced on ("inlinable"); otherwise it starts a new segment, and its
+    operands produced before are complete (allocated whole) when its loop starts."""
+    segments: list[Segment] = []
+    for op in fusion.ops:
+        split, slices = stream_split(op.out), _slices(op)
+        cur = segments[-1] if segments else None
+        if cur is not None and split is not None and cur.split is not None:
+            produced = {s_op.out: s_i for s_i, s_op in enumerate(cur.ops)}
+            same = (split.chain, split.count) == (cur.split.chain, cur.split.count)
+            inlinable = same and all(
+                slices.get(name) == cur.sliced[(produced[t], "out")]
+                for name, t in op.operands().items() if t in produced
+            )
+            if inlinable:
+                cur.ops.append(op)
+                cur.sliced.update({(len(cur.ops) - 1, n): a for n, a in slices.items()})
+                continue
+        seg = Segment([op], split)
+        seg.sliced = {(0, n): a for n, a in slices.items()}
+        segments.append(seg)
+    return segments
+
+
+@dataclasses.dataclass
+class AllocationPlan:
+    """Which op outputs are allocated (whole) before each segment, and which
+    intermediates are freed after it."""
+
+    allocate_before: list[list[TensorView]]
+    free_after: list[list[TensorView]]
+
+
+def plan_allocations(fusion: Fusion, segments: list[Segment]) -> AllocationPlan:
+    """Every op output is allocated whole before the segment that computes it, and loop
+    iterations write their slices of it in place (a per-slice view, no copy). Outputs are
+    returned; an intermediate is freed after the last segment that reads it.
+
+    Whole allocation costs the intermediate's full size even when it lives inside one
+    loop; allocating per slice would save memory but adds an allocator call per slice on
+    the hot path, and with the pool's streams running concurrently the slices are live
+    at the same time anyway.
+    """
+    last_read: dict[int, int] = {}
+    for si, seg in enumerate(segments):
+        for op in seg.ops:
+            for t in op.inputs():
+                last_read[id(t)] = si
+    allocate_before = [[op.out for op in seg.ops] for seg in segments]
+    free_after: list[list[TensorView]] = [[] for _ in segments]
+    for seg_ops in allocate_before:
+        for t in seg_ops:
+            if t not in fusion.outputs and id(t) in last_read:
+                free_after[last_read[id(t)]].append(t)
+    return AllocationPlan(allocate_before, free_after)
+
+
+# ---------------------------------------------------------------------------- host IR
+
+
+def _compute_node(op: Op, names: dict[str, str]) -> hir.Node:
+    if isinstance(op, MatmulOp):
+        return hir.Matmul(names["out"], names["a"], names["b"])
+    if isinstance(op, LinearOp):
+        return hir.Linear(names["out"], names["x"], names["w"], names.get("bias"))
+    raise InternalError(f"no host-IR node for {type(op).__name__}")
+
+
+def _constraints(fusion: Fusion) -> list[hir.Constraint]:
+    """Extents that ops need equal but that are different expressions."""
+    out: list[hir.Constraint] = []
+    for op in fusion.ops:
+        operands = op.operands()
+        for group in op.axis_groups():
+            members = [(n, a) for n, a in group if n != "out"]
+            n0, a0 = members[0]
+            e0 = operands[n0].shape[a0]
+            for n, a in members[1:]:
+                e = operands[n].shape[a]
+                if e != e0:
+                    what = (f"{op.kind.lower()} {op.out.name}: {n0}={operands[n0].name} axis "
+                            f"{a0} and {n}={operands[n].name} axis {a}")
+                    out.append(hir.Constraint(e0, e, what))
+    return out
+
+
+def _info(tv: TensorView) -> hir.TensorInfo:
+    return hir.TensorInfo(tv.name, tv.dtype, tuple(tv.shape))
+
+
+def build_host_program(
+    fusion: Fusion, segments: list[Segment], plan: AllocationPlan, pool_size: int
+) -> hir.HostProgram:
+    """Segments -> host IR: allocations, a stream ForLoop per looped segment with a
+    ShardByStream view for each sliced operand, compute nodes, deallocations. Streams
+    and synchronization are added by the host-IR passes."""
+    body: list[hir.Node] = []
+    for si, seg in enumerate(segments):
+        body += [hir.Allocate(_info(t)) for t in plan.allocate_before[si]]
+        if seg.split is None:
+            for op in seg.ops:
+                body.append(_compute_node(op, {n: t.name for n, t in op.operands().items()}))
+        else:
+            loop_body: list[hir.Node] = []
+            views: dict[tuple[str, int], str] = {}
+            for oi, op in enumerate(seg.ops):
+                names: dict[str, str] = {}
+                for n, t in op.operands().items():
+                    axis = seg.sliced.get((oi, n))
+                    if axis is None:
+                        names[n] = t.name
+                        continue
+                    if (t.name, axis) not in views:
+                        taken = set(views.values())
+                        view = f"{t.name}_i" if f"{t.name}_i" not in taken else f"{t.name}_i{axis}"
+                        views[(t.name, axis)] = view
+                        chunk = _chunk(t, axis, seg.split)
+                        loop_body.append(hir.ShardByStream(view, t.name, axis, "i", chunk))
+                    names[n] = views[(t.name, axis)]
+                loop_body.append(_compute_node(op, names))
+            body.append(hir.ForLoop("i", Const(0), seg.split.count, loop_body,
+                                    ParallelType.Stream))
+        body += [hir.Deallocate(t.name) for t in plan.free_after[si]]
+    return hir.HostProgram(
+        name=fusion.name,
+        inputs=[_info(t) for t in fusion.inputs],
+        outputs=[t.name for t in fusion.outputs],
+        body=body,
+        constraints=_constraints(fusion),
+        pool_size=pool_size,
+    )
+
+
+def _chunk(tv: TensorView, axis: int, split: StreamSplit) -> Expr:
+    """The slice length of ``tv`` along ``axis``, in ``tv``'s own extent (operands tied
+    by a constraint may spell one size differently)."""
+    return _chain_chunk(tv.shape[axis], split.chain)
+
+
+def _chain_chunk(extent: Expr, chain: tuple[tuple[bool, int], ...]) -> Expr:
+    """Elements of the logical axis covered by one index of the last split's outer part:
+    the product of the inner extents along the chain."""
+    chunk: Expr = Const(1)
+    for inner_split, factor in chain:
+        outer, inner = ((ceil_div(extent, Const(factor)), Const(factor)) if inner_split
+                        else (Const(factor), ceil_div(extent, Const(factor))))
+        chunk, extent = mul(chunk, inner), outer
+    return chunk

@@ -1,0 +1,19 @@
+"""codegen: stream-parallel host programs for PyTorch, generated as C++ and JIT-built."""
+
+from setuptools import setup
+
+setup(
+    name="codegen",
+    version="0.1.0",
+    description="Compile stream-parallel matmul schedules into C++ torch ops calling cuBLAS",
+    python_requires=">=3.10",
+    packages=["codegen", "codegen.templates"],
+    # templates/ lives at the top of the repo and ships inside the package.
+    package_dir={"codegen": "codegen", "codegen.templates": "templates"},
+    package_data={"codegen.templates": ["*.j2"]},
+    install_requires=["torch>=2.4", "jinja2>=3.0", "ninja"],
+    extras_require={
+        "test": ["pytest>=7", "ruff"],
+        "plot": ["matplotlib"],
+    },
+)
