@@ -4,13 +4,20 @@ Describe a tensor program, split an axis onto CUDA streams, and get a host IR, C
 a compiled torch op, and a reference evaluator. See README.md and DESIGN.md.
 """
 
+from .build import BuildError, CompiledOp, build, compile
 from .errors import InternalError, ScheduleError
 from .evaluator import evaluate
 from .hostir import HostProgram
 from .ir import Fusion, IterDomain, ParallelType, TensorView, input, linear, matmul, output
 from .lowering import lower, schedule
+from .render import render
 
 __all__ = [
+    "BuildError",
+    "CompiledOp",
+    "build",
+    "compile",
+    "render",
     "Fusion",
     "HostProgram",
     "InternalError",

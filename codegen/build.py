@@ -1,0 +1,267 @@
+"""C++ source -> a loaded torch op, through a cache shared by processes.
+
+The cache (``CODEGEN_CACHE_DIR``, default ``~/.cache/codegen``) has one folder per
+(op name, hash of source + flags + torch + Python). A folder whose ``ok`` stamp matches
+its library is loaded directly (``torch.ops.load_library``, no compiler, no ninja);
+otherwise it is built with ``torch.utils.cpp_extension`` and ninja under an exclusive
+``flock`` (released by the OS if the builder dies, so a killed build leaves nothing
+that blocks the next). ``CODEGEN_REBUILD=1`` forces a build.
+
+On a machine without a GPU this still builds: the toolkit's location, the arch list and
+the cuBLAS headers of the torch wheel are found here, not in the user's shell.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import fcntl
+import hashlib
+import os
+import re
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from . import hostir as hir
+from .render import NAMESPACE, op_name, render
+
+CFLAGS = ("-O2", "-DNDEBUG")
+_loaded: dict[str, Path] = {}  # op name -> library loaded in this process
+_lock = threading.Lock()
+
+
+class BuildError(RuntimeError):
+    """The generated C++ did not compile or load; says where the full log is."""
+
+
+def cache_root() -> Path:
+    root = os.environ.get("CODEGEN_CACHE_DIR") or str(Path.home() / ".cache" / "codegen")
+    return Path(root).expanduser()
+
+
+# ---------------------------------------------------------------------------- toolchain
+
+
+def _cuda_home() -> str | None:
+    """A CUDA toolkit with headers: $CUDA_HOME if it has them, else /usr/local/cuda, else
+    the folder above the real nvcc (a wrapper in /usr/local/bin misleads torch)."""
+    candidates = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"]
+    from shutil import which
+    nvcc = which("nvcc")
+    if nvcc:
+        candidates.append(str(Path(os.path.realpath(nvcc)).parent.parent))
+    for c in candidates:
+        if c and (Path(c) / "include" / "cuda_runtime_api.h").is_file():
+            return c
+    return None
+
+
+def _wheel_cuda_includes() -> list[str]:
+    """Include folders of the nvidia-* wheels that hold cublas_v2.h (torch's deps)."""
+    found = []
+    for entry in sys.path:
+        nv = Path(entry) / "nvidia"
+        if nv.is_dir():
+            found += [str(h.parent) for h in sorted(nv.glob("*/include/cublas_v2.h"))]
+    return found
+
+
+@contextlib.contextmanager
+def _toolchain() -> Iterator[list[str]]:
+    """Sets what cpp_extension needs for this build only; yields extra C++ flags."""
+    home = _cuda_home()
+    if home is None:
+        raise BuildError("codegen: no CUDA toolkit with headers found (looked at $CUDA_HOME, "
+                         "/usr/local/cuda and next to nvcc); set CUDA_HOME")
+    if "torch.utils.cpp_extension" not in sys.modules and "CUDA_HOME" not in os.environ:
+        os.environ["CUDA_HOME"] = home  # read once, at import: avoids a misleading warning
+        import torch.utils.cpp_extension  # noqa: F401
+        del os.environ["CUDA_HOME"]
+    import torch.utils.cpp_extension as cpp
+
+    saved_home, saved_arch = cpp.CUDA_HOME, os.environ.get("TORCH_CUDA_ARCH_LIST")
+    cpp.CUDA_HOME = home
+    if saved_arch is None and not torch.cuda.is_available():
+        # Only .cpp is compiled, but cpp_extension asks for an arch list without a GPU.
+        os.environ["TORCH_CUDA_ARCH_LIST"] = "9.0"
+    try:
+        # After the toolkit's own include folder: the wheels also carry a partial runtime.
+        yield [f"-idirafter{d}" for d in _wheel_cuda_includes()]
+    finally:
+        cpp.CUDA_HOME = saved_home
+        if saved_arch is None:
+            os.environ.pop("TORCH_CUDA_ARCH_LIST", None)
+
+
+# ---------------------------------------------------------------------------- cache
+
+
+def _digest(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _key(source: str) -> str:
+    tag = f"{torch.__version__}|{torch.version.cuda}|{sys.version_info[:2]}|{CFLAGS}"
+    return _digest(f"{tag}\n{source}".encode())[:16]
+
+
+@dataclasses.dataclass
+class _Entry:
+    folder: Path
+    name: str
+
+    @property
+    def source(self) -> Path:
+        return self.folder / f"{self.name}.cpp"
+
+    @property
+    def library(self) -> Path:
+        return self.folder / f"{self.name}.so"
+
+    @property
+    def stamp(self) -> Path:
+        return self.folder / "ok"
+
+    def valid(self) -> bool:
+        """Built completely: the stamp names the library's current hash."""
+        try:
+            return self.stamp.read_text().strip() == _digest(self.library.read_bytes())
+        except OSError:
+            return False
+
+
+@contextlib.contextmanager
+def _exclusive(folder: Path) -> Iterator[None]:
+    with open(folder / "codegen.lock", "w") as f:  # cpp_extension uses "lock"
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _first_error(log: str) -> str:
+    for line in log.splitlines():
+        if re.search(r"\berror\b", line, re.IGNORECASE) and not line.startswith("FAILED"):
+            return line.strip()
+    return log.strip().splitlines()[-1] if log.strip() else "(no compiler output)"
+
+
+def _compile(entry: _Entry, source: str) -> float:
+    """Builds ``entry`` from ``source``; returns seconds. Caller holds the lock."""
+    from torch.utils.cpp_extension import load
+
+    for stale in (entry.stamp, entry.library):
+        stale.unlink(missing_ok=True)
+    entry.source.write_text(source)
+    start = time.perf_counter()
+    with _toolchain() as extra:
+        try:
+            load(name=entry.name, sources=[str(entry.source)], build_directory=str(entry.folder),
+                 extra_cflags=[*CFLAGS, *extra], with_cuda=True, is_python_module=False,
+                 verbose=False)
+        except Exception as e:  # cpp_extension raises RuntimeError with the ninja log
+            log_path = entry.folder / "build.log"
+            log_path.write_text(str(e))
+            raise BuildError(f"codegen: building {entry.name} failed: {_first_error(str(e))}\n"
+                             f"full log: {log_path}") from None
+    entry.stamp.write_text(_digest(entry.library.read_bytes()))
+    return time.perf_counter() - start
+
+
+def build_library(name: str, source: str) -> Path:
+    """The path of a loaded library for ``source``: from the cache, or built now."""
+    with _lock:
+        if name in _loaded:
+            return _loaded[name]
+        root = cache_root()
+        entry = _Entry(root / f"{name}-{_key(source)}", name)
+        try:
+            entry.folder.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise BuildError(f"codegen: cannot create the build cache {entry.folder} ({e}); "
+                             "set CODEGEN_CACHE_DIR to a writable folder") from None
+        if not os.access(entry.folder, os.W_OK):
+            raise BuildError(f"codegen: the build cache {entry.folder} is not writable; "
+                             "set CODEGEN_CACHE_DIR to a writable folder")
+        rebuild = os.environ.get("CODEGEN_REBUILD", "") not in ("", "0")
+        with _exclusive(entry.folder):
+            if rebuild or not entry.valid():
+                seconds = _compile(entry, source)
+                print(f"codegen: built {name} in {seconds:.1f} s ({entry.folder})",
+                      file=sys.stderr, flush=True)
+        torch.ops.load_library(str(entry.library))
+        _loaded[name] = entry.library
+        return entry.library
+
+
+# ---------------------------------------------------------------------------- the op
+
+
+def _register_fake(program: hir.HostProgram, qualname: str) -> None:
+    """Output shapes for FakeTensor / meta / torch.compile, from the program's extents."""
+
+    def fake(*inputs: torch.Tensor) -> Any:
+        env: dict[str, Any] = {}
+        for c in hir.dim_checks(program):
+            if c.kind == "bind":
+                env[str(c.value)] = inputs[[t.name for t in program.inputs].index(c.tensor)] \
+                    .shape[c.axis]
+        allocs = program.allocations()
+        outs = [inputs[0].new_empty([e.evaluate(env) for e in allocs[o].shape],
+                                    dtype=allocs[o].dtype) for o in program.outputs]
+        return outs[0] if len(outs) == 1 else tuple(outs)
+
+    torch.library.register_fake(qualname)(fake)
+
+
+class CompiledOp:
+    """A host program compiled to a torch op: ``op(*inputs)`` runs it.
+
+    ``.name`` is the qualified op name (``codegen::<program>_<hash>``), ``.op`` the
+    ``torch.ops`` packet, ``.source`` the C++, ``.host_ir`` the HostProgram.
+    """
+
+    def __init__(self, program: hir.HostProgram, source: str, library: Path) -> None:
+        self.host_ir = program
+        self.source = source
+        self.library = library
+        self.op_name = op_name(program)
+        self.name = f"{NAMESPACE}::{self.op_name}"
+        self.op = getattr(getattr(torch.ops, NAMESPACE), self.op_name)
+
+    def __call__(self, *inputs: torch.Tensor) -> Any:
+        return self.op(*inputs)
+
+    def __repr__(self) -> str:
+        return f"CompiledOp({self.name}, library={self.library})"
+
+
+_fakes: set[str] = set()
+
+
+def build(program: hir.HostProgram, source: str | None = None) -> CompiledOp:
+    """Builds (or loads from cache) the op of ``program``; ``source`` defaults to
+    ``render(program)``."""
+    source = render(program) if source is None else source
+    name = op_name(program)
+    library = build_library(name, source)
+    compiled = CompiledOp(program, source, library)
+    with _lock:
+        if compiled.name not in _fakes:
+            _register_fake(program, compiled.name)
+            _fakes.add(compiled.name)
+    return compiled
+
+
+def compile(fusion: Any, *, pool_size: int = 4) -> CompiledOp:  # noqa: A001 - public API
+    """Lower, render, build and load ``fusion`` as a torch op."""
+    from .lowering import lower
+
+    return build(lower(fusion, pool_size=pool_size))
