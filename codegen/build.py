@@ -17,6 +17,7 @@ import contextlib
 import dataclasses
 import fcntl
 import hashlib
+import importlib
 import os
 import re
 import sys
@@ -81,9 +82,9 @@ def _toolchain() -> Iterator[list[str]]:
                          "/usr/local/cuda and next to nvcc); set CUDA_HOME")
     if "torch.utils.cpp_extension" not in sys.modules and "CUDA_HOME" not in os.environ:
         os.environ["CUDA_HOME"] = home  # read once, at import: avoids a misleading warning
-        import torch.utils.cpp_extension  # noqa: F401
+        importlib.import_module("torch.utils.cpp_extension")
         del os.environ["CUDA_HOME"]
-    import torch.utils.cpp_extension as cpp
+    cpp = importlib.import_module("torch.utils.cpp_extension")
 
     saved_home, saved_arch = cpp.CUDA_HOME, os.environ.get("TORCH_CUDA_ARCH_LIST")
     cpp.CUDA_HOME = home
@@ -147,10 +148,14 @@ def _exclusive(folder: Path) -> Iterator[None]:
 
 
 def _first_error(log: str) -> str:
-    for line in log.splitlines():
-        if re.search(r"\berror\b", line, re.IGNORECASE) and not line.startswith("FAILED"):
-            return line.strip()
-    return log.strip().splitlines()[-1] if log.strip() else "(no compiler output)"
+    """The compiler's first diagnostic (``file:line:col: error: ...``), else a line
+    that says error, else the last line."""
+    lines = log.splitlines()
+    for pattern in (r":\d+:\d+: (fatal )?error:", r"\berror\b"):
+        for line in lines:
+            if re.search(pattern, line, re.IGNORECASE) and "Error building extension" not in line:
+                return line.strip()
+    return lines[-1].strip() if lines else "(no compiler output)"
 
 
 def _compile(entry: _Entry, source: str) -> float:

@@ -40,7 +40,7 @@ GEMM_TYPES: dict[torch.dtype, tuple[str, str, str]] = {
 
 # Names the generated function uses itself, and C++ keywords a symbol could collide with.
 _RESERVED = {
-    "op", "device", "device_guard", "i", "j", "m", "main_stream", "restore_main_stream",
+    "op", "device", "device_guard", "gemm_type", "i", "j", "main_stream", "restore_main_stream",
     "rt", "at", "c10", "std", "auto", "bool", "break", "case", "char", "class", "const",
     "continue", "default", "delete", "do", "double", "else", "enum", "float", "for",
     "goto", "if", "int", "long", "namespace", "new", "operator", "private", "public",
@@ -229,16 +229,13 @@ class _Statements:
         return {"out": n.out, "a": n.a, "b": n.b}
 
     def Linear(self, n: hir.Linear) -> dict[str, Any]:
-        fields: dict[str, Any] = {"out": n.out, "x": n.x, "w": n.w, "bias": n.bias or "",
-                                  "bias_view": f"{n.out}_bias", "ones": "ones_unused"}
+        fields: dict[str, Any] = {"out": n.out, "x": n.x, "w": n.w, "bias": n.bias or ""}
         if n.bias:
             whole = self.base.get(n.out, n.out)
-            shape = self.program.allocations()[whole].shape
             fields["ones"] = f"ones_{whole}"
             if all(o["name"] != fields["ones"] for o in self.ones):
-                self.ones.append({"name": fields["ones"], "size": self.names.expr(shape[-2])})
-        else:
-            fields["ones"] = "rt::View()"
+                rows = self.program.allocations()[whole].shape[-2]
+                self.ones.append({"name": fields["ones"], "size": self.names.expr(rows)})
         return fields
 
 

@@ -14,3 +14,16 @@ def pytest_collection_modifyitems(config, items):
 def ints(*shape, dtype=torch.float32, device="cpu", lo=-4, hi=5):
     """Integer-valued random floats: products and sums of these are exact in fp32."""
     return torch.randint(lo, hi, shape, device=device).to(dtype)
+
+
+@pytest.fixture(scope="session")
+def cache_dir(tmp_path_factory):
+    """One build cache for the session (CI points CODEGEN_CACHE_DIR at the checkout)."""
+    import os
+    from pathlib import Path
+
+    if os.environ.get("CODEGEN_CACHE_DIR"):
+        return Path(os.environ["CODEGEN_CACHE_DIR"])
+    path = tmp_path_factory.mktemp("codegen-cache")
+    os.environ["CODEGEN_CACHE_DIR"] = str(path)
+    return path

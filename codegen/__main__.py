@@ -1,0 +1,103 @@
+"""Command line: ``python -m codegen {demo,regen,show,timeline}``."""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import sys
+from pathlib import Path
+
+from .examples import EXAMPLES, example
+
+REPO = Path(__file__).resolve().parent.parent
+CSRC_GEN = REPO / "csrc_gen"
+
+
+def golden_sources() -> dict[str, str]:
+    """File name -> generated C++ of every bundled example."""
+    from .lowering import lower
+    from .render import render
+
+    return {f"{name}.cpp": render(lower(ex.make())) for name, ex in EXAMPLES.items()}
+
+
+def regen(out: Path) -> list[str]:
+    """Writes the bundled examples' C++ into ``out``, only files whose text changed;
+    removes generated files of examples that no longer exist. Returns what changed."""
+    out.mkdir(parents=True, exist_ok=True)
+    changed = []
+    sources = golden_sources()
+    for name, text in sources.items():
+        path = out / name
+        if not path.exists() or path.read_text() != text:
+            path.write_text(text)
+            changed.append(name)
+    for stale in sorted(out.glob("*.cpp")):
+        if stale.name not in sources and stale.read_text().startswith("// @generated"):
+            stale.unlink()
+            changed.append(f"{stale.name} (removed)")
+    return changed
+
+
+def stale_goldens(out: Path) -> str:
+    """A unified diff of checked-in sources against freshly generated ones ('' if none)."""
+    diffs = []
+    for name, text in golden_sources().items():
+        path = out / name
+        old = path.read_text() if path.exists() else ""
+        if old != text:
+            diffs += difflib.unified_diff(old.splitlines(True), text.splitlines(True),
+                                          f"csrc_gen/{name} (checked in)",
+                                          f"csrc_gen/{name} (generated)")
+    return "".join(diffs)
+
+
+def show(name: str, stage: str) -> str:
+    from . import lowering
+    from .render import render
+
+    fusion = example(name).make()
+    if stage == "ir":
+        return f"{fusion}\n\n# after the fusion passes\n{lowering.schedule(fusion)}"
+    program = lowering.lower(fusion)
+    return str(program) if stage == "hostir" else render(program)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m codegen", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    d = sub.add_parser("demo", help="define, lower, print, render, build; on a GPU run, "
+                                    "check against torch and time it")
+    d.add_argument("--size", type=int, default=8192, help="m = n = k on the GPU")
+    d.add_argument("--slices", type=int, default=4)
+    r = sub.add_parser("regen", help="rewrite csrc_gen/ (only files whose text changed)")
+    r.add_argument("--out", type=Path, default=CSRC_GEN)
+    s = sub.add_parser("show", help="print one stage of a bundled example")
+    s.add_argument("example", choices=sorted(EXAMPLES))
+    s.add_argument("--stage", choices=("ir", "hostir", "cpp"), default="hostir")
+    t = sub.add_parser("timeline", help="profile an example on the GPU; draw its streams")
+    t.add_argument("example", choices=sorted(EXAMPLES))
+    t.add_argument("--out", type=Path, default=Path("timeline.png"))
+    t.add_argument("--size", type=int, default=4096)
+    args = parser.parse_args(argv)
+
+    if args.command == "regen":
+        changed = regen(args.out)
+        print("\n".join(f"wrote {args.out / c}" for c in changed) or "csrc_gen is up to date")
+        return 0
+    if args.command == "show":
+        print(show(args.example, args.stage))
+        return 0
+    if args.command == "demo":
+        from .demo import run_demo
+
+        return run_demo(args.size, args.slices)
+    from .timeline import draw_timeline
+
+    path = draw_timeline(args.example, args.out, size=args.size)
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

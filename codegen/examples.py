@@ -1,0 +1,132 @@
+"""The bundled examples: their generated C++ is checked in under ``csrc_gen/``.
+
+Each example builds a scheduled Fusion and says which input shapes to test it with.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import torch
+
+from . import ir
+from .ir import Fusion, ParallelType
+
+Stream = ParallelType.Stream
+
+
+@dataclasses.dataclass(frozen=True)
+class Example:
+    name: str
+    doc: str
+    make: Callable[[], Fusion]
+    shapes: tuple[tuple[int, ...], ...]  # input shapes for a small test
+
+
+def stream_matmul_n() -> Fusion:
+    """nvFuser's StreamTest.Matmul: [5, 7] @ [7, 6], output columns in 3 stream slices."""
+    with Fusion("stream_matmul_n") as fusion:
+        inp = ir.input([5, 7], torch.float32)
+        w = ir.input([7, 6], torch.float32)
+        out = ir.matmul(inp, w)
+        ir.output(out)
+    out.outer_split(1, 3)
+    out.axis(1).parallelize(Stream)
+    return fusion
+
+
+def matmul_rows(dtype: torch.dtype = torch.float32, slices: int = 4,
+                name: str = "matmul_rows") -> Fusion:
+    """[m, k] @ [k, n] with rows of the output in ``slices`` stream slices."""
+    with Fusion(name) as fusion:
+        inp = ir.input(["m", "k"], dtype)
+        w = ir.input(["k", "n"], dtype)
+        out = ir.matmul(inp, w)
+        ir.output(out)
+    out.outer_split(0, slices)
+    out.axis(0).parallelize(Stream)
+    return fusion
+
+
+def matmul_rows_bf16() -> Fusion:
+    """The demo's program: bf16 [m, k] @ [k, n], rows in 4 stream slices."""
+    return matmul_rows(torch.bfloat16, 4, "matmul_rows_bf16")
+
+
+def two_matmuls() -> Fusion:
+    """(inp @ w1) @ w2 with rows on streams: one loop, two matmuls per slice."""
+    with Fusion("two_matmuls") as fusion:
+        inp = ir.input(["m", "k"])
+        w1 = ir.input(["k", "n"])
+        w2 = ir.input(["n", "p"])
+        t2 = ir.matmul(ir.matmul(inp, w1), w2)
+        ir.output(t2)
+    t2.outer_split(0, 2)
+    t2.axis(0).parallelize(Stream)
+    return fusion
+
+
+def two_matmuls_not_inlinable() -> Fusion:
+    """Columns of t1 = inp @ w1 on streams, then rows of t2 = t1 @ w2: two loops."""
+    with Fusion("two_matmuls_not_inlinable") as fusion:
+        inp = ir.input(["m", "k"])
+        w1 = ir.input(["k", "n"])
+        w2 = ir.input(["n", "p"])
+        t1 = ir.matmul(inp, w1)
+        t2 = ir.matmul(t1, w2)
+        ir.output(t2)
+    t1.outer_split(1, 3)
+    t1.axis(1).parallelize(Stream)
+    t2.outer_split(0, 2)
+    t2.axis(0).parallelize(Stream)
+    return fusion
+
+
+def linear_bias() -> Fusion:
+    """x @ w.T + bias with output columns (w rows, bias) in 4 stream slices."""
+    with Fusion("linear_bias") as fusion:
+        x = ir.input(["m", "k"])
+        w = ir.input(["n", "k"])
+        bias = ir.input(["n"])
+        out = ir.linear(x, w, bias)
+        ir.output(out)
+    out.outer_split(1, 4)
+    out.axis(1).parallelize(Stream)
+    return fusion
+
+
+def batched() -> Fusion:
+    """[b, m, k] @ [b, k, n] with the batch in 4 stream slices."""
+    with Fusion("batched") as fusion:
+        a = ir.input(["b", "m", "k"])
+        b = ir.input(["b", "k", "n"])
+        out = ir.matmul(a, b)
+        ir.output(out)
+    out.outer_split(0, 4)
+    out.axis(0).parallelize(Stream)
+    return fusion
+
+
+EXAMPLES: dict[str, Example] = {
+    e.name: e
+    for e in (
+        Example("stream_matmul_n", stream_matmul_n.__doc__ or "", stream_matmul_n,
+                ((5, 7), (7, 6))),
+        Example("matmul_rows", matmul_rows.__doc__ or "", matmul_rows, ((37, 24), (24, 20))),
+        Example("matmul_rows_bf16", matmul_rows_bf16.__doc__ or "", matmul_rows_bf16,
+                ((64, 32), (32, 48))),
+        Example("two_matmuls", two_matmuls.__doc__ or "", two_matmuls,
+                ((19, 8), (8, 12), (12, 5))),
+        Example("two_matmuls_not_inlinable", two_matmuls_not_inlinable.__doc__ or "",
+                two_matmuls_not_inlinable, ((19, 8), (8, 12), (12, 5))),
+        Example("linear_bias", linear_bias.__doc__ or "", linear_bias, ((9, 16), (30, 16), (30,))),
+        Example("batched", batched.__doc__ or "", batched, ((6, 5, 7), (6, 7, 3))),
+    )
+}
+
+
+def example(name: str) -> Example:
+    if name not in EXAMPLES:
+        raise ValueError(f"unknown example {name!r}; choose one of {', '.join(EXAMPLES)}")
+    return EXAMPLES[name]
