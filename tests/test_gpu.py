@@ -177,7 +177,7 @@ def test_opcheck(ops):
     ("size", "argument T1 axis 0 must have size k = 24, got 23"),
     ("rank", r"argument T0 must have rank 2 float32\[m, k\], got shape \[37, 24, 1\]"),
     ("layout", "argument T1 has sizes .* strides .*Pass T1.contiguous()"),
-])
+], ids=["cpu", "dtype", "size", "rank", "layout"])
 def test_bad_inputs_raise(ops, case, match):
     a, b = torch.randn(37, 24, device=CUDA), torch.randn(24, 20, device=CUDA)
     if case == "cpu":

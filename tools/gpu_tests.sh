@@ -1,6 +1,10 @@
+# Runs the demo and the GPU tests on the H200 (through the device tool):
+#   bash tools/gpu_tests.sh            everything
+#   bash tools/gpu_tests.sh -k EXPR    a subset of the GPU tests (no demo)
 set -o pipefail
-export PYTHONUNBUFFERED=1 CODEGEN_CACHE_DIR=/tmp/cgc
-nvidia-smi --query-gpu=name,driver_version --format=csv
-python3 -c "import torch, jinja2; print(torch.__version__, torch.version.cuda)"
-python3 -m codegen demo 2>&1 | tee $OUT/demo.log
-python3 -m pytest -m gpu -q -x 2>&1 | tee $OUT/gpu.log | tail -60
+export PYTHONUNBUFFERED=1 CODEGEN_CACHE_DIR=${CODEGEN_CACHE_DIR:-/tmp/cgc}
+OUT=${OUT:-/tmp}
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
+if [ $# -eq 0 ]; then python3 -m codegen demo 2>&1 | tee $OUT/demo.log; fi
+python3 -X faulthandler -m pytest -m gpu -q -p no:cacheprovider "$@" 2>&1 | tee $OUT/gpu.log | tail -80
