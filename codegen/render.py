@@ -153,7 +153,7 @@ def _input_checks(program: hir.HostProgram, names: _Names) -> dict[str, list[dic
     for t in program.inputs:
         checks.append({"cond": f"{t.name}.dim() == {len(t.shape)}", "message": _message(
             f": argument {t.name} must have rank {len(t.shape)} {t.type_str()}, got shape ",
-            f"{{{t.name}.sizes()}}")})
+            f"{{rt::shape({t.name}.sizes())}}")})
     dims: list[dict[str, str]] = []
     for c in hir.dim_checks(program):
         size = f"{c.tensor}.size({c.axis})"
@@ -166,7 +166,7 @@ def _input_checks(program: hir.HostProgram, names: _Names) -> dict[str, list[dic
                     [f": argument {c.tensor} axis {c.axis} must have size {want}, got "])
         dims.append({"bind": "", "cond": f"{size} == {want}", "message": _message(
             *expected,
-            f"{{{size}}}", " (shape ", f"{{{c.tensor}.sizes()}}", ")")})
+            f"{{{size}}}", " (shape ", f"{{rt::shape({c.tensor}.sizes())}}", ")")})
     for k in program.constraints:
         lhs, rhs = names.expr(k.lhs), names.expr(k.rhs)
         dims.append({"bind": "", "cond": f"{lhs} == {rhs}", "message": _message(
