@@ -28,10 +28,11 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
+from python_loop import PythonStreamLoop  # noqa: E402
+
 import codegen as cg  # noqa: E402
 from codegen import examples  # noqa: E402
 from codegen.timing import cuda_time_ms  # noqa: E402
-from python_loop import PythonStreamLoop  # noqa: E402
 
 SHAPES = [(8192, 8192, 8192), (4096, 4096, 4096), (2048, 2048, 2048), (1024, 1024, 1024),
           (16384, 8192, 1024), (256, 4096, 4096)]
@@ -75,15 +76,15 @@ def measure(m: int, n: int, k: int, dtype_name: str, reps: int) -> list[dict]:
         loop, op = PythonStreamLoop(s), generated(dtype_name, s)
         ref = torch.matmul(a.float(), b.float())
         err = ((op(a, b).float() - ref).norm() / ref.norm()).item()
-        t_loop = cuda_time_ms(lambda: loop(a, b), reps=reps)
-        t_op = cuda_time_ms(lambda: op(a, b), reps=reps)
+        t_loop = cuda_time_ms(lambda loop=loop: loop(a, b), reps=reps)
+        t_op = cuda_time_ms(lambda op=op: op(a, b), reps=reps)
         rows.append({
             "shape": [m, n, k], "dtype": dtype_name, "slices": s,
             "gemm_ms": t_gemm, "loop_ms": t_loop, "op_ms": t_op,
             "gemm_tflops": flops / t_gemm / 1e9, "op_tflops": flops / t_op / 1e9,
             "loop_ratio": t_loop / t_gemm, "op_ratio": t_op / t_gemm, "op_rel_err": err,
-            "loop_host_us": host_us_per_call(lambda: loop(a, b)),
-            "op_host_us": host_us_per_call(lambda: op(a, b)),
+            "loop_host_us": host_us_per_call(lambda loop=loop: loop(a, b)),
+            "op_host_us": host_us_per_call(lambda op=op: op(a, b)),
         })
     return rows
 

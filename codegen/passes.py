@@ -16,7 +16,6 @@ from .ir import (
     Const,
     Expr,
     Fusion,
-    IterDomain,
     LinearOp,
     MatmulOp,
     Op,

@@ -140,7 +140,8 @@ def _input_checks(program: hir.HostProgram, names: _Names) -> dict[str, list[dic
     checks: list[dict[str, str]] = []
     for t in program.inputs:
         checks.append({"cond": f"{t.name}.is_cuda()", "message": _message(
-            f": argument {t.name} must be a CUDA tensor, got a tensor on ", f"{{{t.name}.device()}}")})
+            f": argument {t.name} must be a CUDA tensor, got a tensor on ",
+            f"{{{t.name}.device()}}")})
     for t in program.inputs[1:]:
         checks.append({"cond": f"{t.name}.device() == {first}.device()", "message": _message(
             f": argument {t.name} is on ", f"{{{t.name}.device()}}", f" but {first} is on ",
