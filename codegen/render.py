@@ -124,12 +124,12 @@ def _cstr(text: str) -> str:
 
 
 def _message(*parts: str) -> str:
-    """A TORCH_CHECK message: ``op`` first, then string literals and C++ expressions
+    """A TORCH_CHECK message, ``rt::msg(op, ...)``: string literals and C++ expressions
     (an expression part is written as ``{expr}``)."""
     out = ["op"]
     for p in parts:
         out.append(p[1:-1] if p.startswith("{") and p.endswith("}") else _cstr(p))
-    return ", ".join(out)
+    return f"rt::msg({', '.join(out)})"
 
 
 # ---------------------------------------------------------------------------- prepare
@@ -154,7 +154,7 @@ def _input_checks(program: hir.HostProgram, names: _Names) -> dict[str, list[dic
     for t in program.inputs:
         checks.append({"cond": f"{t.name}.dim() == {len(t.shape)}", "message": _message(
             f": argument {t.name} must have rank {len(t.shape)} {t.type_str()}, got shape ",
-            f"{{rt::shape({t.name}.sizes())}}")})
+            f"{{{t.name}.sizes()}}")})
     dims: list[dict[str, str]] = []
     for c in hir.dim_checks(program):
         size = f"{c.tensor}.size({c.axis})"
@@ -167,7 +167,7 @@ def _input_checks(program: hir.HostProgram, names: _Names) -> dict[str, list[dic
                     [f": argument {c.tensor} axis {c.axis} must have size {want}, got "])
         dims.append({"bind": "", "cond": f"{size} == {want}", "message": _message(
             *expected,
-            f"{{{size}}}", " (shape ", f"{{rt::shape({c.tensor}.sizes())}}", ")")})
+            f"{{{size}}}", " (shape ", f"{{{c.tensor}.sizes()}}", ")")})
     for k in program.constraints:
         lhs, rhs = names.expr(k.lhs), names.expr(k.rhs)
         dims.append({"bind": "", "cond": f"{lhs} == {rhs}", "message": _message(

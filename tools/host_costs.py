@@ -15,6 +15,8 @@ from codegen.build import build_library
 SOURCE = r"""
 #include <ATen/core/Tensor.h>
 #include <ATen/cuda/CUDAContextLight.h>
+#include <ATen/ops/empty.h>
+#include <cstdio>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <cublas_v2.h>
@@ -28,6 +30,12 @@ int64_t throw_sizes(const at::Tensor& t) { TORCH_CHECK(false, "probe: sizes ", t
 int64_t throw_string(const at::Tensor& t) {
   std::string s = "[" + std::to_string(t.size(0)) + "]";
   TORCH_CHECK(false, "probe: string ", s); return 0; }
+int64_t throw_single_string(const at::Tensor& t) {
+  TORCH_CHECK(false, std::string("probe: single string")); return 0; }
+int64_t throw_own_format(const at::Tensor& t) {
+  char buf[64]; std::snprintf(buf, sizeof buf, "%lld", static_cast<long long>(t.size(0)));
+  std::string s = std::string("probe: own format ") + buf;
+  TORCH_CHECK(false, s); return 0; }
 int64_t throw_after_guard(const at::Tensor& t) {
   const c10::cuda::CUDAGuard g(t.device());
   TORCH_CHECK(false, "probe: after guard ", t.dim()); return 0; }
@@ -68,14 +76,15 @@ at::Tensor costs(const at::Tensor& a, int64_t iters) {
 }
 }
 TORCH_LIBRARY_FRAGMENT(probe, m) {
-  for (const char* f : {"sizes_no_throw", "throw_int", "throw_sizes", "throw_string", "throw_after_guard"})
-    m.def(std::string(f) + "(Tensor t) -> int");
+  for (const char* f : {"sizes_no_throw", "throw_int", "throw_sizes", "throw_string", "throw_after_guard", "throw_single_string", "throw_own_format"})
+    m.def((std::string(f) + "(Tensor t) -> int").c_str());
   m.def("costs(Tensor a, int iters) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(probe, CUDA, m) {
   m.impl("sizes_no_throw", &sizes_no_throw); m.impl("throw_int", &throw_int);
   m.impl("throw_sizes", &throw_sizes); m.impl("throw_string", &throw_string);
   m.impl("throw_after_guard", &throw_after_guard); m.impl("costs", &costs);
+  m.impl("throw_single_string", &throw_single_string); m.impl("throw_own_format", &throw_own_format);
 }
 """
 
@@ -89,7 +98,7 @@ if __name__ == "__main__":
             print(sys.argv[2], "raised:", str(e).splitlines()[0])
     elif sys.argv[1] == "probe":
         for f in ("sizes_no_throw", "throw_int", "throw_sizes", "throw_string",
-                  "throw_after_guard"):
+                  "throw_after_guard", "throw_single_string", "throw_own_format"):
             r = subprocess.run([sys.executable, __file__, "one", f], capture_output=True,
                                text=True)
             print(f"{f:20} rc={r.returncode} {r.stdout.strip()[-100:]}")
