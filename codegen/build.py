@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from . import hostir as hir
+from .evaluator import check_inputs
 from .render import NAMESPACE, op_name, render
 
 CFLAGS = ("-O2", "-DNDEBUG")
@@ -162,7 +163,11 @@ def _compile(entry: _Entry, source: str) -> float:
     """Builds ``entry`` from ``source``; returns seconds. Caller holds the lock."""
     from torch.utils.cpp_extension import load
 
-    for stale in (entry.stamp, entry.library):
+    # A builder killed mid-way (SIGKILL, power loss) leaves no stamp, maybe a partial
+    # library, and maybe cpp_extension's own "lock" file (older torches do not clean it
+    # up, and would wait on it forever). We hold the entry's flock, so nobody else is
+    # building here: all of it is stale.
+    for stale in (entry.stamp, entry.library, entry.folder / "lock"):
         stale.unlink(missing_ok=True)
     entry.source.write_text(source)
     start = time.perf_counter()
@@ -213,11 +218,7 @@ def _register_fake(program: hir.HostProgram, qualname: str) -> None:
     """Output shapes for FakeTensor / meta / torch.compile, from the program's extents."""
 
     def fake(*inputs: torch.Tensor) -> Any:
-        env: dict[str, Any] = {}
-        for c in hir.dim_checks(program):
-            if c.kind == "bind":
-                env[str(c.value)] = inputs[[t.name for t in program.inputs].index(c.tensor)] \
-                    .shape[c.axis]
+        env = check_inputs(program, inputs)  # the compiled op's checks, on shapes only
         allocs = program.allocations()
         outs = [inputs[0].new_empty([e.evaluate(env) for e in allocs[o].shape],
                                     dtype=allocs[o].dtype) for o in program.outputs]
@@ -242,6 +243,14 @@ class CompiledOp:
         self.op = getattr(getattr(torch.ops, NAMESPACE), self.op_name)
 
     def __call__(self, *inputs: torch.Tensor) -> Any:
+        if torch.is_grad_enabled():
+            needs_grad = [t.name for t, x in zip(self.host_ir.inputs, inputs)
+                          if isinstance(x, torch.Tensor) and x.requires_grad]
+            if needs_grad:
+                raise RuntimeError(
+                    f"{self.host_ir.name}: codegen ops have no backward yet, and "
+                    f"{', '.join(needs_grad)} require grad; call the op under "
+                    "torch.no_grad() or pass .detach()ed inputs")
         return self.op(*inputs)
 
     def __repr__(self) -> str:

@@ -141,3 +141,28 @@ def test_unwritable_cache_dir_is_a_clear_error(tmp_path, monkeypatch):
     monkeypatch.setenv("CODEGEN_CACHE_DIR", str(blocker / "cache"))
     with pytest.raises(BuildError, match="cannot create the build cache .*CODEGEN_CACHE_DIR"):
         build_library("never_built", "// nothing")
+
+
+def test_fake_impl_checks_inputs_like_the_op(ops):
+    rows = ops["matmul_rows"]
+    with pytest.raises(ValueError, match="argument T1 axis 0 must have size k = 24, got 5"):
+        rows(torch.empty(37, 24, device="meta"), torch.empty(5, 20, device="meta"))
+    with pytest.raises(ValueError, match="argument T0 must be float32, got torch.float16"):
+        rows(torch.empty(37, 24, device="meta", dtype=torch.half), torch.empty(24, 20,
+                                                                                device="meta"))
+
+
+def test_too_many_arguments(ops):
+    m = torch.empty(2, 2, device="meta")
+    with pytest.raises((RuntimeError, TypeError), match="(?i)argument|expected"):
+        ops["matmul_rows"](m, m, m)
+
+
+def test_inputs_that_require_grad_get_a_clear_error(ops):
+    a = torch.empty(3, 24, device="meta", requires_grad=True)
+    b = torch.empty(24, 5, device="meta")
+    with pytest.raises(RuntimeError, match="matmul_rows: codegen ops have no backward yet, and "
+                                           "T0 require grad.*no_grad"):
+        ops["matmul_rows"](a, b)
+    with torch.no_grad():
+        assert ops["matmul_rows"](a, b).shape == (3, 5)

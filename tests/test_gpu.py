@@ -202,3 +202,33 @@ def test_missing_argument_raises(ops):
 def test_fixed_extent_program(ops):
     with pytest.raises(RuntimeError, match="argument T0 axis 0 must have size 5, got 6"):
         ops["stream_matmul_n"](torch.randn(6, 7, device=CUDA), torch.randn(7, 6, device=CUDA))
+
+
+def test_1024_slices(cache_dir):
+    op = cg.compile(ex.matmul_rows(torch.float32, 1024, "rows_1024"))
+    for m in (5, 3000):
+        a, b = ints(m, 16, device=CUDA), ints(16, 9, device=CUDA)
+        assert torch.equal(op(a, b), a @ b)
+
+
+def test_overlapping_strides_are_refused(ops):
+    over = torch.randn(64, device=CUDA).as_strided((37, 24), (1, 1))
+    with pytest.raises(RuntimeError, match=r"argument T0 has sizes \[37, 24\] and strides "
+                                           r"\[1, 1\].*T0.contiguous\(\)"):
+        ops["matmul_rows"](over, torch.randn(24, 20, device=CUDA))
+
+
+def test_requires_grad_is_refused_and_no_grad_works(ops):
+    a = torch.randn(37, 24, device=CUDA, requires_grad=True)
+    b = torch.randn(24, 20, device=CUDA)
+    with pytest.raises(RuntimeError, match="no backward yet, and T0 require grad"):
+        ops["matmul_rows"](a, b)
+    with torch.no_grad():
+        assert rel_err(ops["matmul_rows"](a, b), a.double() @ b.double()) < 1e-5
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_inputs_on_two_gpus(ops):
+    a, b = torch.randn(37, 24, device="cuda:0"), torch.randn(24, 20, device="cuda:1")
+    with pytest.raises(RuntimeError, match="argument T1 is on cuda:1 but T0 is on cuda:0"):
+        ops["matmul_rows"](a, b)

@@ -284,3 +284,20 @@ def test_other_dtypes_on_cpu(dtype):
     (out,) = cg.evaluate(program, [a, b])
     assert out.dtype == dtype
     assert torch.equal(out.double(), a.double() @ b.double())
+
+
+def test_1024_slices_more_than_rows():
+    program = cg.lower(stream_matmul_rows(slices=1024))
+    assert "SetCurrentStream(Stream(i % 4))" in str(program)
+    for m in (5, 1024, 3000):
+        a, b = ints(m, 3), ints(3, 4)
+        assert torch.equal(cg.evaluate(program, [a, b])[0], a @ b)
+
+
+def test_evaluator_takes_any_layout():
+    program = cg.lower(stream_matmul_rows(slices=3))
+    a = ints(4, 7).t()  # transposed
+    b = ints(4, 1).expand(4, 5)  # expanded: stride 0
+    over = torch.arange(12.0).as_strided((7, 4), (1, 1))  # overlapping rows
+    assert torch.equal(cg.evaluate(program, [a, b])[0], a @ b)
+    assert torch.equal(cg.evaluate(program, [over, b])[0], over @ b)
