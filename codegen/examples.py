@@ -24,14 +24,14 @@ class Example:
     shapes: tuple[tuple[int, ...], ...]  # input shapes for a small test
 
 
-def stream_matmul_n() -> Fusion:
+def stream_matmul_n(m: int = 5, k: int = 7, n: int = 6, slices: int = 3) -> Fusion:
     """nvFuser's StreamTest.Matmul: [5, 7] @ [7, 6], output columns in 3 stream slices."""
     with Fusion("stream_matmul_n") as fusion:
-        inp = ir.input([5, 7], torch.float32)
-        w = ir.input([7, 6], torch.float32)
+        inp = ir.input([m, k], torch.float32)
+        w = ir.input([k, n], torch.float32)
         out = ir.matmul(inp, w)
         ir.output(out)
-    out.outer_split(1, 3)
+    out.outer_split(1, slices)
     out.axis(1).parallelize(Stream)
     return fusion
 

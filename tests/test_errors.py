@@ -161,7 +161,7 @@ def program():
 
 
 def test_evaluate_wrong_dtype(program):
-    with pytest.raises(ValueError, match="matmul_m: argument T1 must be float32, got "
+    with pytest.raises(ValueError, match="matmul_rows: argument T1 must be float32, got "
                                          "torch.float16"):
         cg.evaluate(program, [ints(2, 3), ints(3, 4, dtype=torch.float16)])
 

@@ -232,3 +232,12 @@ def test_inputs_on_two_gpus(ops):
     a, b = torch.randn(37, 24, device="cuda:0"), torch.randn(24, 20, device="cuda:1")
     with pytest.raises(RuntimeError, match="argument T1 is on cuda:1 but T0 is on cuda:0"):
         ops["matmul_rows"](a, b)
+
+
+@pytest.mark.parametrize("name", ["two_matmuls_not_inlinable", "linear_bias", "batched"])
+def test_evaluator_on_cuda_matches_torch(name):
+    e = ex.EXAMPLES[name]
+    xs = [ints(*s, device=CUDA) for s in e.shapes]
+    (out,) = cg.evaluate(cg.lower(e.make()), xs)
+    assert out.is_cuda and torch.equal(out.double(), torch_ref(name, xs))
+    assert torch.cuda.current_stream() == torch.cuda.default_stream()  # restored

@@ -9,7 +9,7 @@ from codegen.errors import InternalError
 from codegen.ir import Const, Sym
 
 STREAM_TEST_MATMUL = """\
-HostProgram matmul_n(T0: float32[5, 7], T1: float32[7, 6]) -> (T2):
+HostProgram stream_matmul_n(T0: float32[5, 7], T1: float32[7, 6]) -> (T2):
   main_stream = GetCurrentStream()
   T2 = Allocate(float32[5, 6])
   for j in range(0, 3):
@@ -57,7 +57,7 @@ T2: float32[n, p]) -> (T4):
   return T4"""
 
 ROWS_EIGHT_SLICES_POOL_FOUR = """\
-HostProgram matmul_m(T0: float32[m, k], T1: float32[k, n]) -> (T2):
+HostProgram matmul_rows(T0: float32[m, k], T1: float32[k, n]) -> (T2):
   main_stream = GetCurrentStream()
   T2 = Allocate(float32[m, n])
   for j in range(0, 4):
