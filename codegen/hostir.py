@@ -179,9 +179,6 @@ class Linear(Node):
         return f"Linear({self.x}, {self.w}{bias}, out={self.out})"
 
 
-COMPUTE_NODES = (Matmul, Linear)
-
-
 # ---------------------------------------------------------------------------- program
 
 

@@ -105,10 +105,6 @@ def replay_stream_split(tv: TensorView, axis: int, split: StreamSplit) -> None:
     node.parallelize(ParallelType.Stream)
 
 
-def operand_tensor(op: Op, operand: str) -> TensorView:
-    return op.operands()[operand]
-
-
 def stream_group(op: Op) -> list[tuple[str, int]]:
     """The (operand, axis) pairs that index the same dimension as the output's stream
     axis; empty if the output is not stream-parallel."""
