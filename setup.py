@@ -13,7 +13,7 @@ setup(
     package_data={"codegen.templates": ["*.j2"]},
     install_requires=["torch>=2.4", "jinja2>=3.0", "ninja"],
     extras_require={
-        "test": ["pytest>=7", "ruff"],
+        "test": ["pytest>=7", "ruff", "matplotlib"],
         "plot": ["matplotlib"],
     },
 )
