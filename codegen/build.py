@@ -1,7 +1,9 @@
 """C++ source -> a loaded torch op, through a cache shared by processes.
 
 The cache (``CODEGEN_CACHE_DIR``, default ``~/.cache/codegen``) has one folder per
-(op name, hash of source + flags + torch + Python). A folder whose ``ok`` stamp matches
+(op name, hash of source + flags + torch + Python; for a rendered program the op name
+already hashes everything its source is made from, so a cached op loads without
+rendering). A folder whose ``ok`` stamp matches
 its library is loaded directly (``torch.ops.load_library``, no compiler, no ninja);
 otherwise it is built with ``torch.utils.cpp_extension`` and ninja under an exclusive
 ``flock`` (released by the OS if the builder dies, so a killed build leaves nothing
@@ -18,12 +20,13 @@ import dataclasses
 import fcntl
 import hashlib
 import importlib
+import logging
 import os
 import re
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -81,10 +84,20 @@ def _toolchain() -> Iterator[list[str]]:
     if home is None:
         raise BuildError("codegen: no CUDA toolkit with headers found (looked at $CUDA_HOME, "
                          "/usr/local/cuda and next to nvcc); set CUDA_HOME")
-    if "torch.utils.cpp_extension" not in sys.modules and "CUDA_HOME" not in os.environ:
-        os.environ["CUDA_HOME"] = home  # read once, at import: avoids a misleading warning
-        importlib.import_module("torch.utils.cpp_extension")
-        del os.environ["CUDA_HOME"]
+    if "torch.utils.cpp_extension" not in sys.modules:
+        # CUDA_HOME is read once, at import; without a GPU the import also warns that no
+        # CUDA runtime was found, which is expected here: only host code is compiled.
+        saved_env = os.environ.get("CUDA_HOME")
+        os.environ["CUDA_HOME"] = saved_env or home
+        log = logging.getLogger("torch.utils.cpp_extension")
+        level = log.level
+        log.setLevel(logging.ERROR)
+        try:
+            importlib.import_module("torch.utils.cpp_extension")
+        finally:
+            log.setLevel(level)
+            if saved_env is None:
+                del os.environ["CUDA_HOME"]
     cpp = importlib.import_module("torch.utils.cpp_extension")
 
     saved_home, saved_arch = cpp.CUDA_HOME, os.environ.get("TORCH_CUDA_ARCH_LIST")
@@ -109,6 +122,7 @@ def _digest(data: bytes) -> str:
 
 
 def _key(source: str) -> str:
+    """The cache key of a source text (or of what determines it, e.g. an op name)."""
     tag = f"{torch.__version__}|{torch.version.cuda}|{sys.version_info[:2]}|{CFLAGS}"
     return _digest(f"{tag}\n{source}".encode())[:16]
 
@@ -161,8 +175,6 @@ def _first_error(log: str) -> str:
 
 def _compile(entry: _Entry, source: str) -> float:
     """Builds ``entry`` from ``source``; returns seconds. Caller holds the lock."""
-    from torch.utils.cpp_extension import load
-
     # A builder killed mid-way (SIGKILL, power loss) leaves no stamp, maybe a partial
     # library, and maybe cpp_extension's own "lock" file (older torches do not clean it
     # up, and would wait on it forever). We hold the entry's flock, so nobody else is
@@ -172,6 +184,8 @@ def _compile(entry: _Entry, source: str) -> float:
     entry.source.write_text(source)
     start = time.perf_counter()
     with _toolchain() as extra:
+        from torch.utils.cpp_extension import load  # after _toolchain fixed CUDA_HOME
+
         try:
             load(name=entry.name, sources=[str(entry.source)], build_directory=str(entry.folder),
                  extra_cflags=[*CFLAGS, *extra], with_cuda=True, is_python_module=False,
@@ -185,13 +199,19 @@ def _compile(entry: _Entry, source: str) -> float:
     return time.perf_counter() - start
 
 
-def build_library(name: str, source: str) -> Path:
-    """The path of a loaded library for ``source``: from the cache, or built now."""
+def build_library(name: str, source: str | Callable[[], str], key: str | None = None) -> Path:
+    """The path of a loaded library for ``source``: from the cache, or built now.
+    ``source`` may be a function, called only to build; then ``key`` must name
+    everything the source depends on."""
+    if key is None:
+        if callable(source):
+            raise TypeError("build_library: a lazy source needs a key")
+        key = source
     with _lock:
         if name in _loaded:
             return _loaded[name]
         root = cache_root()
-        entry = _Entry(root / f"{name}-{_key(source)}", name)
+        entry = _Entry(root / f"{name}-{_key(key)}", name)
         try:
             entry.folder.mkdir(parents=True, exist_ok=True)
         except OSError as e:
@@ -203,7 +223,7 @@ def build_library(name: str, source: str) -> Path:
         rebuild = os.environ.get("CODEGEN_REBUILD", "") not in ("", "0")
         with _exclusive(entry.folder):
             if rebuild or not entry.valid():
-                seconds = _compile(entry, source)
+                seconds = _compile(entry, source() if callable(source) else source)
                 print(f"codegen: built {name} in {seconds:.1f} s ({entry.folder})",
                       file=sys.stderr, flush=True)
         torch.ops.load_library(str(entry.library))
@@ -234,13 +254,20 @@ class CompiledOp:
     ``torch.ops`` packet, ``.source`` the C++, ``.host_ir`` the HostProgram.
     """
 
-    def __init__(self, program: hir.HostProgram, source: str, library: Path) -> None:
+    def __init__(self, program: hir.HostProgram, source: str | None, library: Path) -> None:
         self.host_ir = program
-        self.source = source
+        self._source = source
         self.library = library
         self.op_name = op_name(program)
         self.name = f"{NAMESPACE}::{self.op_name}"
         self.op = getattr(getattr(torch.ops, NAMESPACE), self.op_name)
+
+    @property
+    def source(self) -> str:
+        """The C++ (rendered on first access when the op came from the cache)."""
+        if self._source is None:
+            self._source = render(self.host_ir)
+        return self._source
 
     def __call__(self, *inputs: torch.Tensor) -> Any:
         if torch.is_grad_enabled():
@@ -263,9 +290,11 @@ _fakes: set[str] = set()
 def build(program: hir.HostProgram, source: str | None = None) -> CompiledOp:
     """Builds (or loads from cache) the op of ``program``; ``source`` defaults to
     ``render(program)``."""
-    source = render(program) if source is None else source
     name = op_name(program)
-    library = build_library(name, source)
+    if source is None:  # the op name hashes the program, the templates and the renderer
+        library = build_library(name, lambda: render(program), key=f"rendered:{name}")
+    else:
+        library = build_library(name, source)
     compiled = CompiledOp(program, source, library)
     with _lock:
         if compiled.name not in _fakes:

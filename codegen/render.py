@@ -13,17 +13,18 @@ import dataclasses
 import functools
 import hashlib
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import jinja2
 import torch
 
 from . import hostir as hir
 from .errors import InternalError
 from .ir import DTYPE_NAMES, CeilDiv, Const, Expr, Min, Mul, Sym
 
+if TYPE_CHECKING:
+    import jinja2
+
 NAMESPACE = "codegen"
-RENDER_VERSION = "1"
 
 # dtype -> (ATen scalar type, cuBLAS data type, cuBLAS compute type). fp16 and bf16
 # accumulate in fp32; fp32 uses TF32 tensor cores only when the user allowed it.
@@ -60,6 +61,8 @@ def template_dir() -> Path:
 
 @functools.cache
 def _environment() -> jinja2.Environment:
+    import jinja2  # only when rendering: a cached op loads without it
+
     return jinja2.Environment(
         loader=jinja2.FileSystemLoader(str(template_dir())),
         undefined=jinja2.StrictUndefined,
@@ -69,15 +72,19 @@ def _environment() -> jinja2.Environment:
     )
 
 
-def _template_text() -> str:
-    return "".join(p.read_text() for p in sorted(template_dir().glob("*.j2")))
+@functools.cache
+def _renderer_digest() -> str:
+    """A hash of everything besides the program that the C++ is made from: the templates
+    and this module."""
+    texts = [p.read_text() for p in sorted(template_dir().glob("*.j2"))]
+    texts.append(Path(__file__).read_text())
+    return hashlib.sha256("\0".join(texts).encode()).hexdigest()
 
 
 def op_name(program: hir.HostProgram) -> str:
-    """``<program>_<hash>``: unique per program text and templates, stable across runs."""
-    digest = hashlib.sha256(
-        f"{RENDER_VERSION}\n{program}\n{_template_text()}".encode()
-    ).hexdigest()
+    """``<program>_<hash>``: unique per program text, templates and renderer; stable
+    across runs and processes, so it also keys the build cache."""
+    digest = hashlib.sha256(f"{program}\n{_renderer_digest()}".encode()).hexdigest()
     return f"{program.name}_{digest[:12]}"
 
 
