@@ -195,6 +195,7 @@ class _Statements:
 
     def __init__(self, program: hir.HostProgram, names: _Names) -> None:
         self.program, self.names = program, names
+        self.allocations = program.allocations()
         self.base: dict[str, str] = {}  # view -> the tensor it slices
         self.ones: list[dict[str, str]] = []
         self.out: list[dict[str, Any]] = []
@@ -242,7 +243,7 @@ class _Statements:
             whole = self.base.get(n.out, n.out)
             fields["ones"] = f"ones_{whole}"
             if all(o["name"] != fields["ones"] for o in self.ones):
-                rows = self.program.allocations()[whole].shape[-2]
+                rows = self.allocations[whole].shape[-2]
                 self.ones.append({"name": fields["ones"], "size": self.names.expr(rows)})
         return fields
 
