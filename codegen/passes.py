@@ -13,6 +13,7 @@ from collections.abc import Callable
 from . import hostir as hir
 from .errors import InternalError, ScheduleError
 from .ir import (
+    DTYPE_NAMES,
     Const,
     Expr,
     Fusion,
@@ -128,9 +129,16 @@ FusionPass = Callable[[Fusion], Fusion]
 
 
 def validate_schedule(fusion: Fusion) -> Fusion:
-    """Before: any user schedule. After: every tensor has at most one stream axis, in its
-    loop domain, on an iteration axis, reachable from a logical axis by outer parts of
-    splits (so each slice is a contiguous range)."""
+    """Before: any user schedule. After: one dtype in the program; every tensor has at
+    most one stream axis, in its loop domain, on an iteration axis, reachable from a
+    logical axis by outer parts of splits (so each slice is a contiguous range)."""
+    dtypes = {t.dtype for t in fusion.tensors}
+    if len(dtypes) > 1:
+        found = ", ".join(f"{t.name} is {DTYPE_NAMES[t.dtype]}" for t in fusion.tensors)
+        raise ScheduleError(
+            f"Fusion {fusion.name}: one dtype per program is supported, found {found}; "
+            "split it into one fusion per dtype"
+        )
     for tv in fusion.tensors:
         seen_ids = list(tv.logical)
         for split in _split_children(tv).values():

@@ -166,3 +166,21 @@ def test_inputs_that_require_grad_get_a_clear_error(ops):
         ops["matmul_rows"](a, b)
     with torch.no_grad():
         assert ops["matmul_rows"](a, b).shape == (3, 5)
+
+
+def test_two_outputs_and_an_op_outside_any_loop_build(cache_dir):
+    with cg.Fusion("two_outputs") as fusion:
+        a, w1, w2 = cg.input(["m", "k"]), cg.input(["k", "n"]), cg.input(["n", "p"])
+        t1 = cg.matmul(a, w1)  # no stream axis: runs on the caller's stream
+        t2 = cg.matmul(t1, w2)
+        cg.output(t1)
+        cg.output(t2)
+    t2.outer_split(1, 2)  # columns of t2: w2 is sliced, t1 is read whole
+    t2.axis(1).parallelize(cg.ParallelType.Stream)
+    op = cg.compile(fusion)
+    assert "-> (Tensor, Tensor)" in op.source
+    first_loop = op.source.index("// hir: for")
+    assert op.source.index("// hir: Matmul(T0, T1, out=T3)") < first_loop
+    o1, o2 = op(torch.empty(5, 3, device="meta"), torch.empty(3, 4, device="meta"),
+                torch.empty(4, 2, device="meta"))
+    assert o1.shape == (5, 4) and o2.shape == (5, 2)

@@ -216,3 +216,11 @@ def test_evaluate_requires_grad_and_nan_propagate_like_torch(program):
     expect = a.detach() @ b
     assert torch.equal(out.isnan(), expect.isnan())
     assert torch.equal(out.nan_to_num(), expect.nan_to_num())
+
+
+def test_one_dtype_per_program():
+    with cg.Fusion("mixed") as fusion:
+        cg.output(cg.matmul(cg.input([2, 3]), cg.input([3, 4])))
+        cg.output(cg.matmul(cg.input([2, 3], torch.bfloat16), cg.input([3, 4], torch.bfloat16)))
+    with pytest.raises(cg.ScheduleError, match="one dtype per program.*T3 is bfloat16"):
+        cg.lower(fusion)
