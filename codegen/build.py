@@ -234,17 +234,28 @@ def build_library(name: str, source: str | Callable[[], str], key: str | None = 
 # ---------------------------------------------------------------------------- the op
 
 
-def _register_fake(program: hir.HostProgram, qualname: str) -> None:
-    """Output shapes for FakeTensor / meta / torch.compile, from the program's extents."""
+def _register_python_parts(program: hir.HostProgram, qualname: str) -> None:
+    """What the C++ does not register: a fake implementation (output shapes for
+    FakeTensor, meta tensors and torch.compile, after the same input checks as the
+    evaluator) and an autograd formula that says there is no backward yet. The latter
+    lets inputs that require grad (say, an nn.Parameter under inference) run forward,
+    whoever calls the op, and makes backward fail with a message instead of torch's
+    generic one."""
+    outputs = [program.allocations()[o] for o in program.outputs]
 
     def fake(*inputs: torch.Tensor) -> Any:
-        env = check_inputs(program, inputs)  # the compiled op's checks, on shapes only
-        allocs = program.allocations()
-        outs = [inputs[0].new_empty([e.evaluate(env) for e in allocs[o].shape],
-                                    dtype=allocs[o].dtype) for o in program.outputs]
+        env = check_inputs(program, inputs)
+        outs = [inputs[0].new_empty([e.evaluate(env) for e in o.shape], dtype=o.dtype)
+                for o in outputs]
         return outs[0] if len(outs) == 1 else tuple(outs)
 
+    def backward(ctx: Any, *grads: torch.Tensor) -> Any:
+        raise RuntimeError(
+            f"{program.name}: codegen ops have no backward yet; compute the op under "
+            "torch.no_grad(), or with .detach()ed inputs, where gradients are not needed")
+
     torch.library.register_fake(qualname)(fake)
+    torch.library.register_autograd(qualname, backward)
 
 
 class CompiledOp:
@@ -254,13 +265,14 @@ class CompiledOp:
     ``torch.ops`` packet, ``.source`` the C++, ``.host_ir`` the HostProgram.
     """
 
-    def __init__(self, program: hir.HostProgram, source: str | None, library: Path) -> None:
+    def __init__(self, program: hir.HostProgram, op_name: str, library: Path,
+                 source: str | None = None) -> None:
         self.host_ir = program
-        self._source = source
+        self.op_name = op_name
         self.library = library
-        self.op_name = op_name(program)
-        self.name = f"{NAMESPACE}::{self.op_name}"
-        self.op = getattr(getattr(torch.ops, NAMESPACE), self.op_name)
+        self._source = source
+        self.name = f"{NAMESPACE}::{op_name}"
+        self.op = getattr(getattr(torch.ops, NAMESPACE), op_name)
 
     @property
     def source(self) -> str:
@@ -270,21 +282,13 @@ class CompiledOp:
         return self._source
 
     def __call__(self, *inputs: torch.Tensor) -> Any:
-        if torch.is_grad_enabled():
-            needs_grad = [t.name for t, x in zip(self.host_ir.inputs, inputs)
-                          if isinstance(x, torch.Tensor) and x.requires_grad]
-            if needs_grad:
-                raise RuntimeError(
-                    f"{self.host_ir.name}: codegen ops have no backward yet, and "
-                    f"{', '.join(needs_grad)} require grad; call the op under "
-                    "torch.no_grad() or pass .detach()ed inputs")
         return self.op(*inputs)
 
     def __repr__(self) -> str:
         return f"CompiledOp({self.name}, library={self.library})"
 
 
-_fakes: set[str] = set()
+_registered: set[str] = set()  # ops whose Python parts are registered in this process
 
 
 def build(program: hir.HostProgram, source: str | None = None) -> CompiledOp:
@@ -295,11 +299,11 @@ def build(program: hir.HostProgram, source: str | None = None) -> CompiledOp:
         library = build_library(name, lambda: render(program), key=f"rendered:{name}")
     else:
         library = build_library(name, source)
-    compiled = CompiledOp(program, source, library)
+    compiled = CompiledOp(program, name, library, source)
     with _lock:
-        if compiled.name not in _fakes:
-            _register_fake(program, compiled.name)
-            _fakes.add(compiled.name)
+        if compiled.name not in _registered:
+            _register_python_parts(program, compiled.name)
+            _registered.add(compiled.name)
     return compiled
 
 

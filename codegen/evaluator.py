@@ -114,10 +114,11 @@ class _Interpreter:
             torch.cuda.current_stream(self.device).wait_stream(self.stream(n.stream))
 
     def ForLoop(self, n: hir.ForLoop) -> None:
+        per_iteration = [d for node in n.body for d in node.defines()]  # slice views
         for i in range(n.start.evaluate(self.env), n.stop.evaluate(self.env)):
             self.env[n.index] = i
             self.run(n.body)
-            for d in _defined(n.body):
+            for d in per_iteration:
                 self.values.pop(d, None)
         self.env.pop(n.index, None)
 
@@ -141,10 +142,6 @@ class _Interpreter:
             torch.addmm(v[n.bias], x, w.t(), out=out)
         else:
             torch.baddbmm(v[n.bias], x, w.t().expand(x.shape[0], -1, -1), out=out)
-
-
-def _defined(nodes: list[hir.Node]) -> list[str]:
-    return [d for n in nodes for d in n.defines()]
 
 
 def evaluate(program: hir.HostProgram, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:

@@ -239,10 +239,10 @@ class HostProgram:
 def verify(program: HostProgram) -> HostProgram:
     """Checks the invariants every pass must keep: each tensor is defined before it is
     used, defined once per scope, and stream nodes name a stream that exists."""
-    defined: set[str] = {t.name for t in program.inputs}
     has_main = False
 
-    def check(nodes: list[Node], scope: set[str], in_loop: bool) -> None:
+    def check(nodes: list[Node], scope: set[str], in_loop: bool) -> set[str]:
+        """Returns what is defined after ``nodes``."""
         nonlocal has_main
         local = set(scope)
         for n in nodes:
@@ -265,10 +265,9 @@ def verify(program: HostProgram) -> HostProgram:
                 check(n.body, local, True)
             if isinstance(n, Deallocate):
                 local.discard(n.tensor)
-        if not in_loop:
-            scope.update(local)
+        return local
 
-    check(program.body, defined, False)
+    defined = check(program.body, {t.name for t in program.inputs}, False)
     for o in program.outputs:
         if o not in defined:
             raise InternalError(f"output {o} is not defined at the end\n{program}")

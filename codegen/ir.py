@@ -158,6 +158,11 @@ class IterDomain:
                 f"parallelize expects a cg.ParallelType, got {parallel_type!r}"
             )
         owner = self.owner
+        if owner is not None and self not in owner.loop:
+            raise ScheduleError(
+                f"{self} is no longer in {owner.name}'s loop domain {owner.loop_str()} (it "
+                f"was split); parallelize one of the axes returned by {owner.name}.axis(i)"
+            )
         where = f"{owner.name} axis {owner.loop.index(self)} ({self})" if owner else str(self)
         if parallel_type is ParallelType.Stream:
             if self.is_reduction:
@@ -318,9 +323,6 @@ class TensorView:
         if self.loop != self.logical:
             text += f" loop {self.loop_str()}"
         return text
-
-    def __hash__(self) -> int:
-        return id(self)
 
 
 # ---------------------------------------------------------------------------- ops

@@ -50,16 +50,16 @@ class StreamSplit:
         return f"axis {self.axis} [{splits}]"
 
 
-def _split_children(tv: TensorView) -> dict[int, Split]:
-    """Maps id(IterDomain) -> the split that consumed it, found from the loop domain up."""
-    consumed: dict[int, Split] = {}
+def _splits(tv: TensorView) -> list[Split]:
+    """Every split of ``tv``'s schedule, found from the loop domain up."""
+    found: dict[int, Split] = {}  # keyed by the split input's id
     todo = list(tv.loop)
     while todo:
         i = todo.pop()
-        if i.definition is not None and id(i.definition.input) not in consumed:
-            consumed[id(i.definition.input)] = i.definition
+        if i.definition is not None and id(i.definition.input) not in found:
+            found[id(i.definition.input)] = i.definition
             todo.append(i.definition.input)
-    return consumed
+    return list(found.values())
 
 
 def stream_split(tv: TensorView) -> StreamSplit | None:
@@ -89,20 +89,15 @@ def stream_split(tv: TensorView) -> StreamSplit | None:
 def replay_stream_split(tv: TensorView, axis: int, split: StreamSplit) -> None:
     """Applies ``split``'s chain to ``tv``'s shape axis ``axis`` and marks it Stream."""
     node = [i for i in tv.logical if not i.is_reduction][axis]
-    for inner_split, factor in split.chain:
-        if node not in tv.loop:
-            raise ScheduleError(
-                f"cannot propagate the stream split {split.describe()} to {tv.name} axis "
-                f"{axis}: that axis was already split by the schedule {tv.loop_str()}"
-            )
-        pos = tv.loop.index(node)
-        tv._split(pos, factor, inner_split)
-        node = tv.loop[pos]
-    if node not in tv.loop:
+    if node not in tv.loop:  # the splits below only ever split what they just made
         raise ScheduleError(
             f"cannot propagate the stream split {split.describe()} to {tv.name} axis {axis}: "
             f"that axis was already split by the schedule {tv.loop_str()}"
         )
+    for inner_split, factor in split.chain:
+        pos = tv.loop.index(node)
+        tv._split(pos, factor, inner_split)
+        node = tv.loop[pos]
     node.parallelize(ParallelType.Stream)
 
 
@@ -141,7 +136,7 @@ def validate_schedule(fusion: Fusion) -> Fusion:
         )
     for tv in fusion.tensors:
         seen_ids = list(tv.logical)
-        for split in _split_children(tv).values():
+        for split in _splits(tv):
             seen_ids += [split.outer, split.inner]
         streams = [i for i in dict.fromkeys(seen_ids) if i.is_stream]
         if len(streams) > 1:
@@ -182,8 +177,7 @@ def propagate_stream_sharding(fusion: Fusion) -> Fusion:
         for op in fusion.ops:
             operands = op.operands()
             for group in op.axis_groups()[:-1]:
-                names = [n for n, a in group if operands[n] is src and a == split.axis]
-                if not names:
+                if not any(operands[n] is src and a == split.axis for n, a in group):
                     continue
                 for n, a in group:
                     dst = operands[n]
@@ -253,10 +247,6 @@ class Segment:
     sliced: dict[tuple[int, str], int] = dataclasses.field(default_factory=dict)
 
 
-def _slices(op: Op) -> dict[str, int]:
-    return dict(stream_group(op))
-
-
 def segment(fusion: Fusion) -> list[Segment]:
     """Groups ops into loops. Before: stream axes in front. After: a list of segments in
     definition order. An op joins the current segment when its output is split the same
@@ -265,7 +255,7 @@ def segment(fusion: Fusion) -> list[Segment]:
     operands produced before are complete (allocated whole) when its loop starts."""
     segments: list[Segment] = []
     for op in fusion.ops:
-        split, slices = stream_split(op.out), _slices(op)
+        split, slices = stream_split(op.out), dict(stream_group(op))
         cur = segments[-1] if segments else None
         if cur is not None and split is not None and cur.split is not None:
             produced = {s_op.out: s_i for s_i, s_op in enumerate(cur.ops)}
@@ -278,9 +268,7 @@ def segment(fusion: Fusion) -> list[Segment]:
                 cur.ops.append(op)
                 cur.sliced.update({(len(cur.ops) - 1, n): a for n, a in slices.items()})
                 continue
-        seg = Segment([op], split)
-        seg.sliced = {(0, n): a for n, a in slices.items()}
-        segments.append(seg)
+        segments.append(Segment([op], split, {(0, n): a for n, a in slices.items()}))
     return segments
 
 
@@ -376,7 +364,9 @@ def build_host_program(
                         taken = set(views.values())
                         view = f"{t.name}_i" if f"{t.name}_i" not in taken else f"{t.name}_i{axis}"
                         views[(t.name, axis)] = view
-                        chunk = _chunk(t, axis, seg.split)
+                        # In t's own extent: operands tied by a constraint may spell
+                        # one size differently.
+                        chunk = _chain_chunk(t.shape[axis], seg.split.chain)
                         loop_body.append(hir.ShardByStream(view, t.name, axis, "i", chunk))
                     names[n] = views[(t.name, axis)]
                 loop_body.append(_compute_node(op, names))
@@ -391,12 +381,6 @@ def build_host_program(
         constraints=_constraints(fusion),
         pool_size=pool_size,
     )
-
-
-def _chunk(tv: TensorView, axis: int, split: StreamSplit) -> Expr:
-    """The slice length of ``tv`` along ``axis``, in ``tv``'s own extent (operands tied
-    by a constraint may spell one size differently)."""
-    return _chain_chunk(tv.shape[axis], split.chain)
 
 
 def _chain_chunk(extent: Expr, chain: tuple[tuple[bool, int], ...]) -> Expr:

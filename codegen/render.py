@@ -252,21 +252,16 @@ def prepare(program: hir.HostProgram) -> dict[str, Any]:
     """The plain data the templates render: strings and lists only."""
     if not isinstance(program, hir.HostProgram):
         raise TypeError(f"render expects a cg.HostProgram, got {type(program).__name__}")
-    dtypes = {n.out.dtype for n in program.nodes() if isinstance(n, hir.Allocate)}
-    if len(dtypes) > 1:
-        raise InternalError(f"{program.name}: one dtype per program is supported, got {dtypes}")
-    dtype = dtypes.pop() if dtypes else program.inputs[0].dtype
+    dtype = program.inputs[0].dtype  # one dtype per program (validate_schedule)
     names = _Names.of(program)
     statements = _Statements(program, names)
     statements.emit(program.body, 1)
     name = op_name(program)
     outs = program.outputs
     return {
-        "program": program.name,
+        "program": program.name,  # the C++ function and the prefix of its messages
         "namespace": NAMESPACE,
         "op_name": name,
-        "op_label": program.name,
-        "fn": program.name,
         "signature": program.signature().removesuffix(":"),
         "params": ", ".join(f"const at::Tensor& {t.name}" for t in program.inputs),
         "schema_args": ", ".join(f"Tensor {t.name}" for t in program.inputs),
@@ -279,7 +274,6 @@ def prepare(program: hir.HostProgram) -> dict[str, Any]:
         "gemm_compute": GEMM_TYPES[dtype][2],
         "layout_checks": [{"tensor": t.name} for t in program.inputs],
         "ones": statements.ones,
-        "needs_ones": bool(statements.ones),
         "body": statements.out,
         **_input_checks(program, names),
     }

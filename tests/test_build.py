@@ -158,14 +158,19 @@ def test_too_many_arguments(ops):
         ops["matmul_rows"](m, m, m)
 
 
-def test_inputs_that_require_grad_get_a_clear_error(ops):
+@pytest.mark.parametrize("call", ["compiled_op", "torch_ops"])
+def test_inputs_that_require_grad_run_forward_and_refuse_backward(ops, call):
+    op = ops["matmul_rows"]
+    fn = op if call == "compiled_op" else op.op  # the formula is on the op, not the wrapper
     a = torch.empty(3, 24, device="meta", requires_grad=True)
     b = torch.empty(24, 5, device="meta")
-    with pytest.raises(RuntimeError, match="matmul_rows: codegen ops have no backward yet, and "
-                                           "T0 require grad.*no_grad"):
-        ops["matmul_rows"](a, b)
+    out = fn(a, b)
+    assert out.shape == (3, 5) and out.requires_grad
+    with pytest.raises(RuntimeError, match="matmul_rows: codegen ops have no backward yet.*"
+                                           "no_grad"):
+        out.sum().backward()
     with torch.no_grad():
-        assert ops["matmul_rows"](a, b).shape == (3, 5)
+        assert not fn(a, b).requires_grad
 
 
 def test_two_outputs_and_an_op_outside_any_loop_build(cache_dir):

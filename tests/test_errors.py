@@ -29,12 +29,20 @@ def test_two_stream_axes_on_one_tensor():
         out.axis(1).parallelize(S)
 
 
+def test_parallelizing_an_axis_that_was_split_away():
+    _, _, _, out = matmul_fusion()
+    first = out.axis(0)
+    out.split(0, 2)
+    with pytest.raises(cg.ScheduleError, match=r"i\{m\} is no longer in T2's loop domain"):
+        first.parallelize(S)
+
+
 def test_two_stream_axes_through_a_stale_reference_are_caught_by_validation():
     fusion, _, _, out = matmul_fusion()
     first = out.axis(0)
     out.split(0, 2)  # `first` is no longer in the loop domain
     out.axis(0).parallelize(S)
-    first.parallel_type = S  # what a stale handle can do
+    first.parallel_type = S  # bypasses parallelize's checks; validation still catches it
     with pytest.raises(cg.ScheduleError, match="T2 has 2 stream axes"):
         cg.lower(fusion)
 
