@@ -10,6 +10,8 @@ from pathlib import Path
 
 import torch
 
+from .ir import Const
+
 
 @dataclasses.dataclass(frozen=True)
 class KernelEvent:
@@ -92,5 +94,5 @@ def _scaled_shapes(fusion: object, shapes: tuple[tuple[int, ...], ...],
     """Every symbolic extent becomes ``size`` (fixed extents stay)."""
     out = []
     for t, s in zip(fusion.inputs, shapes):  # type: ignore[attr-defined]
-        out.append(tuple(d if str(e).isdigit() else size for d, e in zip(s, t.shape)))
+        out.append(tuple(d if isinstance(e, Const) else size for d, e in zip(s, t.shape)))
     return out
