@@ -34,10 +34,17 @@ import torch
 
 from . import hostir as hir
 from .evaluator import check_inputs
-from .render import NAMESPACE, op_name, render
+from .render import NAMESPACE, include_dir, op_name, program_digest, render
 
-CFLAGS = ("-O2", "-DNDEBUG")
-_loaded: dict[str, Path] = {}  # op name -> library loaded in this process
+# The oldest torch whose stable ABI the generated C++ targets (the GPU machine's 2.11):
+# one source builds and loads on 2.11 and newer.
+TORCH_TARGET_VERSION = "0x020b000000000000"
+# -O1: host code calling libraries builds faster than at -O2 and runs as fast (README).
+# Hidden visibility: programs export nothing (they register through static init), so
+# two programs' copies of the runtime never bind to each other.
+CFLAGS = ("-O1", "-DNDEBUG", "-fvisibility=hidden", "-DUSE_CUDA",
+          f"-DTORCH_TARGET_VERSION={TORCH_TARGET_VERSION}")
+_loaded: dict[str, tuple[str, Path]] = {}  # op name -> (digest, library) in this process
 _lock = threading.Lock()
 
 
@@ -107,7 +114,7 @@ def _toolchain() -> Iterator[list[str]]:
         os.environ["TORCH_CUDA_ARCH_LIST"] = "9.0"
     try:
         # After the toolkit's own include folder: the wheels also carry a partial runtime.
-        yield [f"-idirafter{d}" for d in _wheel_cuda_includes()]
+        yield [f"-I{include_dir()}", *(f"-idirafter{d}" for d in _wheel_cuda_includes())]
     finally:
         cpp.CUDA_HOME = saved_home
         if saved_arch is None:
@@ -122,9 +129,12 @@ def _digest(data: bytes) -> str:
 
 
 def _key(source: str) -> str:
-    """The cache key of a source text (or of what determines it, e.g. an op name)."""
-    tag = f"{torch.__version__}|{torch.version.cuda}|{sys.version_info[:2]}|{CFLAGS}"
-    return _digest(f"{tag}\n{source}".encode())[:16]
+    """The full cache key of a source text (or of the digest of what determines it):
+    also the torch, CUDA and Python versions, the compiler and every flag."""
+    compiler = os.environ.get("CXX", "c++")
+    flags = [*CFLAGS, f"-I{include_dir()}", *_wheel_cuda_includes()]
+    tag = f"{torch.__version__}|{torch.version.cuda}|{sys.version_info[:2]}|{compiler}|{flags}"
+    return _digest(f"{tag}\n{source}".encode())
 
 
 @dataclasses.dataclass
@@ -144,10 +154,12 @@ class _Entry:
     def stamp(self) -> Path:
         return self.folder / "ok"
 
-    def valid(self) -> bool:
-        """Built completely: the stamp names the library's current hash."""
+    def valid(self, key: str) -> bool:
+        """Built completely from what ``key`` names: the stamp holds the full key and the
+        library's current hash (a folder reached by a collision of the folder name, or
+        holding a half-written library, is not valid)."""
         try:
-            return self.stamp.read_text().strip() == _digest(self.library.read_bytes())
+            return self.stamp.read_text().split() == [key, _digest(self.library.read_bytes())]
         except OSError:
             return False
 
@@ -173,7 +185,18 @@ def _first_error(log: str) -> str:
     return lines[-1].strip() if lines else "(no compiler output)"
 
 
-def _compile(entry: _Entry, source: str) -> float:
+def _forget_versions(name: str) -> None:
+    """cpp_extension numbers a second build of one name in a process ``<name>_v1`` (and
+    then looks for ``<name>.so``, which a failed first build never wrote); every build
+    here is of a new source in its own folder, so its version history is dropped."""
+    cpp = sys.modules.get("torch.utils.cpp_extension")
+    versioner = getattr(cpp, "JIT_EXTENSION_VERSIONER", None)
+    entries = getattr(versioner, "entries", None)
+    if isinstance(entries, dict):
+        entries.pop(name, None)
+
+
+def _compile(entry: _Entry, source: str, key: str) -> float:
     """Builds ``entry`` from ``source``; returns seconds. Caller holds the lock."""
     # A builder killed mid-way (SIGKILL, power loss) leaves no stamp, maybe a partial
     # library, and maybe cpp_extension's own "lock" file (older torches do not clean it
@@ -186,6 +209,7 @@ def _compile(entry: _Entry, source: str) -> float:
     with _toolchain() as extra:
         from torch.utils.cpp_extension import load  # after _toolchain fixed CUDA_HOME
 
+        _forget_versions(entry.name)
         try:
             load(name=entry.name, sources=[str(entry.source)], build_directory=str(entry.folder),
                  extra_cflags=[*CFLAGS, *extra], with_cuda=True, is_python_module=False,
@@ -195,7 +219,7 @@ def _compile(entry: _Entry, source: str) -> float:
             log_path.write_text(str(e))
             raise BuildError(f"codegen: building {entry.name} failed: {_first_error(str(e))}\n"
                              f"full log: {log_path}") from None
-    entry.stamp.write_text(_digest(entry.library.read_bytes()))
+    entry.stamp.write_text(f"{key} {_digest(entry.library.read_bytes())}\n")
     return time.perf_counter() - start
 
 
@@ -207,11 +231,18 @@ def build_library(name: str, source: str | Callable[[], str], key: str | None = 
         if callable(source):
             raise TypeError("build_library: a lazy source needs a key")
         key = source
+    full_key = _key(key)
     with _lock:
         if name in _loaded:
-            return _loaded[name]
+            loaded_key, library = _loaded[name]
+            if loaded_key != full_key:
+                raise BuildError(
+                    f"codegen: op name {name} is already loaded in this process for another "
+                    "program (a hash-prefix collision, or a source changed under one name); "
+                    "rename the Fusion, or start a new process")
+            return library
         root = cache_root()
-        entry = _Entry(root / f"{name}-{_key(key)}", name)
+        entry = _Entry(root / f"{name}-{full_key[:16]}", name)
         try:
             entry.folder.mkdir(parents=True, exist_ok=True)
         except OSError as e:
@@ -222,12 +253,14 @@ def build_library(name: str, source: str | Callable[[], str], key: str | None = 
                              "set CODEGEN_CACHE_DIR to a writable folder")
         rebuild = os.environ.get("CODEGEN_REBUILD", "") not in ("", "0")
         with _exclusive(entry.folder):
-            if rebuild or not entry.valid():
-                seconds = _compile(entry, source() if callable(source) else source)
+            if rebuild or not entry.valid(full_key):
+                seconds = _compile(entry, source() if callable(source) else source, full_key)
                 print(f"codegen: built {name} in {seconds:.1f} s ({entry.folder})",
                       file=sys.stderr, flush=True)
-        torch.ops.load_library(str(entry.library))
-        _loaded[name] = entry.library
+            # Loaded under the lock: a concurrent CODEGEN_REBUILD cannot swap the library
+            # between the stamp check and dlopen.
+            torch.ops.load_library(str(entry.library))
+        _loaded[name] = (full_key, entry.library)
         return entry.library
 
 
@@ -295,8 +328,9 @@ def build(program: hir.HostProgram, source: str | None = None) -> CompiledOp:
     """Builds (or loads from cache) the op of ``program``; ``source`` defaults to
     ``render(program)``."""
     name = op_name(program)
-    if source is None:  # the op name hashes the program, the templates and the renderer
-        library = build_library(name, lambda: render(program), key=f"rendered:{name}")
+    if source is None:  # the digest covers the program, the templates and the renderer
+        library = build_library(name, lambda: render(program),
+                                key=f"rendered:{program_digest(program)}")
     else:
         library = build_library(name, source)
     compiled = CompiledOp(program, name, library, source)

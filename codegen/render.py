@@ -26,28 +26,36 @@ if TYPE_CHECKING:
 
 NAMESPACE = "codegen"
 
-# dtype -> (ATen scalar type, cuBLAS data type, cuBLAS compute type). fp16 and bf16
-# accumulate in fp32; fp32 uses TF32 tensor cores only when the user allowed it.
-GEMM_TYPES: dict[torch.dtype, tuple[str, str, str]] = {
-    torch.float32: (
-        "at::kFloat", "CUDA_R_32F",
-        "at::globalContext().allowTF32CuBLAS() ? CUBLAS_COMPUTE_32F_FAST_TF32 "
-        ": CUBLAS_COMPUTE_32F",
-    ),
-    torch.float16: ("at::kHalf", "CUDA_R_16F", "CUBLAS_COMPUTE_32F"),
-    torch.bfloat16: ("at::kBFloat16", "CUDA_R_16BF", "CUBLAS_COMPUTE_32F"),
-    torch.float64: ("at::kDouble", "CUDA_R_64F", "CUBLAS_COMPUTE_64F"),
+# dtype -> the runtime's DType (codegen/include/codegen/tensor.h). The cuBLAS data and
+# accumulate types follow from it and from torch's precision flags at call time
+# (rt::gemm_type): fp16 and bf16 accumulate in fp32; fp32 uses TF32 only when allowed.
+DTYPES: dict[torch.dtype, str] = {
+    torch.float32: "rt::DType::Float32",
+    torch.float16: "rt::DType::Float16",
+    torch.bfloat16: "rt::DType::BFloat16",
+    torch.float64: "rt::DType::Float64",
 }
 
-# Names the generated function uses itself, and C++ keywords a symbol could collide with.
-_RESERVED = {
-    "op", "device", "device_guard", "gemm_type", "i", "j", "main_stream", "restore_main_stream",
-    "rt", "at", "c10", "std", "auto", "bool", "break", "case", "char", "class", "const",
-    "continue", "default", "delete", "do", "double", "else", "enum", "float", "for",
-    "goto", "if", "int", "long", "namespace", "new", "operator", "private", "public",
-    "return", "short", "signed", "sizeof", "static", "struct", "switch", "template",
-    "this", "throw", "try", "typedef", "union", "unsigned", "using", "void", "while",
-}
+# Identifiers the generated function uses itself, C++ keywords and common macros: a
+# program symbol (tensor, view, extent) spelled like one of these is renamed in the C++
+# (``op`` -> ``op_``); messages keep the user's spelling.
+_RESERVED = frozenset("""
+    op device device_guard gemm_type streams main_stream i j rt codegen_rt torch std
+    alignas alignof and and_eq asm auto bitand bitor bool break case catch char char8_t
+    char16_t char32_t class compl concept const consteval constexpr constinit const_cast
+    continue co_await co_return co_yield decltype default delete do double dynamic_cast
+    else enum explicit export extern false float for friend goto if inline int long
+    mutable namespace new noexcept not not_eq nullptr operator or or_eq private
+    protected public register reinterpret_cast requires return short signed sizeof static
+    static_assert static_cast struct switch template this thread_local throw true try
+    typedef typeid typename union unsigned using virtual void volatile wchar_t while xor
+    xor_eq NULL EOF assert errno stdin stdout stderr int8_t int16_t int32_t int64_t
+    uint8_t uint16_t uint32_t uint64_t size_t CG_CHECK TORCH_BOX
+""".split())
+
+# Suffixes of C++ names derived from a symbol (``T0_arg`` is the parameter of ``T0``,
+# ``T3_ones`` the column of ones for the bias of ``T3``).
+_DERIVED = ("_arg", "_ones")
 
 
 def template_dir() -> Path:
@@ -72,51 +80,74 @@ def _environment() -> jinja2.Environment:
     )
 
 
+def include_dir() -> Path:
+    """The runtime headers (``codegen/include``), on the include path of every build."""
+    return Path(__file__).resolve().parent / "include"
+
+
 @functools.cache
 def _renderer_digest() -> str:
-    """A hash of everything besides the program that the C++ is made from: the templates
-    and this module."""
-    texts = [p.read_text() for p in sorted(template_dir().glob("*.j2"))]
-    texts.append(Path(__file__).read_text())
-    return hashlib.sha256("\0".join(texts).encode()).hexdigest()
+    """A hash of everything besides the program that the C++ depends on: the templates,
+    the runtime headers and the package's modules (a change to a pass can change the
+    program without changing the renderer)."""
+    package = Path(__file__).resolve().parent
+    files = [*sorted(template_dir().glob("*.j2")), *sorted(include_dir().rglob("*.h")),
+             *sorted(package.glob("*.py"))]
+    h = hashlib.sha256()
+    for f in files:
+        h.update(f.name.encode() + b"\0" + f.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
+def program_digest(program: hir.HostProgram) -> str:
+    """The full hash of what the C++ of ``program`` is made from: its text, the
+    constraints that become checks (``str(program)`` does not print them), and the
+    renderer. The build cache stores it and compares it on load."""
+    constraints = "\n".join(f"{k.what}: {k.lhs} == {k.rhs}" for k in program.constraints)
+    text = f"{program}\n{constraints}\n{_renderer_digest()}"
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 def op_name(program: hir.HostProgram) -> str:
-    """``<program>_<hash>``: unique per program text, templates and renderer; stable
-    across runs and processes, so it also keys the build cache."""
-    digest = hashlib.sha256(f"{program}\n{_renderer_digest()}".encode()).hexdigest()
-    return f"{program.name}_{digest[:12]}"
+    """``<program>_<hash>``: unique per program and renderer; stable across runs and
+    processes, so it also keys the build cache."""
+    return f"{program.name}_{program_digest(program)[:12]}"
 
 
-# ---------------------------------------------------------------------------- expressions
+# ---------------------------------------------------------------------------- names
 
 
 @dataclasses.dataclass
 class _Names:
-    """C++ names of the program's symbols (renamed only where they would collide)."""
+    """C++ names of the program's symbols: tensors, views and extents keep their names
+    unless they collide with a reserved word or a name the generated code derives from
+    another symbol; then they get a trailing ``_``."""
 
-    symbols: dict[str, str]
+    cpp: dict[str, str]
 
     @classmethod
     def of(cls, program: hir.HostProgram) -> _Names:
-        taken = set(_RESERVED) | {t.name for t in program.inputs} | set(program.allocations())
-        taken |= {d for n in program.nodes() for d in n.defines()}
-        mapping: dict[str, str] = {}
-        for c in hir.dim_checks(program):
-            name = str(c.value)
-            if c.kind == "bind":
-                cpp = name if name not in taken else f"{name}_size"
-                while cpp in taken:
-                    cpp += "_"
-                taken.add(cpp)
-                mapping[name] = cpp
-        return cls(mapping)
+        symbols = [t.name for t in program.inputs] + list(program.allocations())
+        symbols += [d for n in program.nodes() for d in n.defines()]
+        symbols += [str(c.value) for c in hir.dim_checks(program) if c.kind == "bind"]
+        taken: set[str] = set(_RESERVED)
+        cpp: dict[str, str] = {}
+        for name in dict.fromkeys(symbols):
+            spelled = name
+            while {spelled, *(spelled + d for d in _DERIVED)} & taken:
+                spelled += "_"
+            taken |= {spelled, *(spelled + d for d in _DERIVED)}
+            cpp[name] = spelled
+        return cls(cpp)
+
+    def __call__(self, name: str) -> str:
+        return self.cpp[name]
 
     def expr(self, e: Expr) -> str:
         if isinstance(e, Const):
             return str(e.value)
         if isinstance(e, Sym):
-            return self.symbols.get(e.name, e.name)
+            return self.cpp.get(e.name, e.name)
         if isinstance(e, CeilDiv):
             return f"rt::ceil_div({self.expr(e.lhs)}, {self.expr(e.rhs)})"
         if isinstance(e, Mul):
@@ -131,40 +162,26 @@ def _cstr(text: str) -> str:
 
 
 def _message(*parts: str) -> str:
-    """A TORCH_CHECK message, ``rt::msg(op, ...)``: string literals and C++ expressions
-    (an expression part is written as ``{expr}``)."""
+    """The message arguments of a CG_CHECK, ``op, ...``: string literals and C++
+    expressions (an expression part is written as ``{expr}``)."""
     out = ["op"]
     for p in parts:
         out.append(p[1:-1] if p.startswith("{") and p.endswith("}") else _cstr(p))
-    return f"rt::msg({', '.join(out)})"
+    return ", ".join(out)
 
 
 # ---------------------------------------------------------------------------- prepare
 
 
-def _input_checks(program: hir.HostProgram, names: _Names) -> dict[str, list[dict[str, str]]]:
+def _input_checks(program: hir.HostProgram, names: _Names) -> dict[str, Any]:
     first = program.inputs[0].name
-    checks: list[dict[str, str]] = []
-    for t in program.inputs:
-        checks.append({"cond": f"{t.name}.is_cuda()", "message": _message(
-            f": argument {t.name} must be a CUDA tensor, got a tensor on ",
-            f"{{{t.name}.device()}}")})
-    for t in program.inputs[1:]:
-        checks.append({"cond": f"{t.name}.device() == {first}.device()", "message": _message(
-            f": argument {t.name} is on ", f"{{{t.name}.device()}}", f" but {first} is on ",
-            f"{{{first}.device()}}", "; all inputs must be on one device")})
-    for t in program.inputs:
-        scalar = GEMM_TYPES[t.dtype][0]
-        checks.append({"cond": f"{t.name}.scalar_type() == {scalar}", "message": _message(
-            f": argument {t.name} must be {DTYPE_NAMES[t.dtype]}, got ",
-            f"{{{t.name}.scalar_type()}}")})
-    for t in program.inputs:
-        checks.append({"cond": f"{t.name}.dim() == {len(t.shape)}", "message": _message(
-            f": argument {t.name} must have rank {len(t.shape)} {t.type_str()}, got shape ",
-            f"{{{t.name}.sizes()}}")})
+    inputs = [{"name": names(t.name), "arg": _cstr(t.name), "dtype": DTYPES[t.dtype],
+               "rank": len(t.shape), "type": _cstr(t.type_str())} for t in program.inputs]
+    same_device = [{"name": names(t.name), "arg": _cstr(t.name), "first": names(first),
+                    "first_arg": _cstr(first)} for t in program.inputs[1:]]
     dims: list[dict[str, str]] = []
     for c in hir.dim_checks(program):
-        size = f"{c.tensor}.size({c.axis})"
+        size = f"{names(c.tensor)}.size({c.axis})"
         if c.kind == "bind":
             dims.append({"bind": names.expr(c.value), "value": size})
             continue
@@ -173,21 +190,21 @@ def _input_checks(program: hir.HostProgram, names: _Names) -> dict[str, list[dic
                      f"{{{want}}}", ", got "] if c.kind == "same" else
                     [f": argument {c.tensor} axis {c.axis} must have size {want}, got "])
         dims.append({"bind": "", "cond": f"{size} == {want}", "message": _message(
-            *expected,
-            f"{{{size}}}", " (shape ", f"{{{c.tensor}.sizes()}}", ")")})
+            *expected, f"{{{size}}}", " (shape ", f"{{{names(c.tensor)}.shape()}}", ")")})
     for k in program.constraints:
         lhs, rhs = names.expr(k.lhs), names.expr(k.rhs)
         dims.append({"bind": "", "cond": f"{lhs} == {rhs}", "message": _message(
             f": {k.what} must have equal sizes, got {k.lhs} = ", f"{{{lhs}}}",
             f" and {k.rhs} = ", f"{{{rhs}}}")})
-    return {"checks": checks, "dims": dims}
+    layouts = [{"name": names(t.name), "arg": _cstr(t.name)} for t in program.inputs]
+    return {"inputs": inputs, "same_device": same_device, "dims": dims, "layouts": layouts}
 
 
-def _stream(ref: hir.StreamRef) -> str:
+def _stream(ref: hir.StreamRef, names: _Names) -> str:
     if isinstance(ref, str):
         return ref
     index = f"{ref.index} % {ref.pool}" if ref.pool else ref.index
-    return f"rt::worker(device, {index})"
+    return f"streams.worker({index})"
 
 
 class _Statements:
@@ -210,20 +227,21 @@ class _Statements:
                 self.out.append({"kind": "EndFor", "hir": "", "indent": "  " * depth})
 
     def Allocate(self, n: hir.Allocate) -> dict[str, Any]:
-        return {"out": n.out.name, "sizes": [self.names.expr(e) for e in n.out.shape],
-                "like": self.program.inputs[0].name, "scalar_type": GEMM_TYPES[n.out.dtype][0]}
+        return {"out": self.names(n.out.name),
+                "sizes": [self.names.expr(e) for e in n.out.shape],
+                "dtype": DTYPES[n.out.dtype]}
 
     def Deallocate(self, n: hir.Deallocate) -> dict[str, Any]:
-        return {"tensor": n.tensor}
+        return {"tensor": self.names(n.tensor)}
 
     def GetCurrentStream(self, n: hir.GetCurrentStream) -> dict[str, Any]:
         return {"out": n.out}
 
     def SetCurrentStream(self, n: hir.SetCurrentStream) -> dict[str, Any]:
-        return {"stream": _stream(n.stream)}
+        return {"stream": _stream(n.stream, self.names)}
 
     def Synchronize(self, n: hir.Synchronize) -> dict[str, Any]:
-        return {"stream": _stream(n.stream)}
+        return {"stream": _stream(n.stream, self.names)}
 
     def ForLoop(self, n: hir.ForLoop) -> dict[str, Any]:
         return {"index": n.index, "start": self.names.expr(n.start),
@@ -231,17 +249,19 @@ class _Statements:
 
     def ShardByStream(self, n: hir.ShardByStream) -> dict[str, Any]:
         self.base[n.out] = self.base.get(n.tensor, n.tensor)
-        return {"out": n.out, "tensor": n.tensor, "axis": n.axis, "index": n.index,
-                "chunk": self.names.expr(n.chunk)}
+        return {"out": self.names(n.out), "tensor": self.names(n.tensor), "axis": n.axis,
+                "index": n.index, "chunk": self.names.expr(n.chunk)}
 
     def Matmul(self, n: hir.Matmul) -> dict[str, Any]:
-        return {"out": n.out, "a": n.a, "b": n.b}
+        return {"out": self.names(n.out), "a": self.names(n.a), "b": self.names(n.b)}
 
     def Linear(self, n: hir.Linear) -> dict[str, Any]:
-        fields: dict[str, Any] = {"out": n.out, "x": n.x, "w": n.w, "bias": n.bias or ""}
+        fields: dict[str, Any] = {"out": self.names(n.out), "x": self.names(n.x),
+                                  "w": self.names(n.w), "bias": ""}
         if n.bias:
+            fields["bias"] = self.names(n.bias)
             whole = self.base.get(n.out, n.out)
-            fields["ones"] = f"ones_{whole}"
+            fields["ones"] = f"{self.names(whole)}_ones"
             if all(o["name"] != fields["ones"] for o in self.ones):
                 rows = self.allocations[whole].shape[-2]
                 self.ones.append({"name": fields["ones"], "size": self.names.expr(rows)})
@@ -256,23 +276,22 @@ def prepare(program: hir.HostProgram) -> dict[str, Any]:
     names = _Names.of(program)
     statements = _Statements(program, names)
     statements.emit(program.body, 1)
-    name = op_name(program)
-    outs = program.outputs
+    outs = [names(o) for o in program.outputs]
     return {
         "program": program.name,  # the C++ function and the prefix of its messages
         "namespace": NAMESPACE,
-        "op_name": name,
+        "op_name": op_name(program),
         "signature": program.signature().removesuffix(":"),
-        "params": ", ".join(f"const at::Tensor& {t.name}" for t in program.inputs),
+        "params": ", ".join(f"torch::stable::Tensor {names(t.name)}_arg"
+                            for t in program.inputs),
         "schema_args": ", ".join(f"Tensor {t.name}" for t in program.inputs),
         "schema_returns": "Tensor" if len(outs) == 1 else f"({', '.join(['Tensor'] * len(outs))})",
-        "return_type": "at::Tensor" if len(outs) == 1
-        else f"std::tuple<{', '.join(['at::Tensor'] * len(outs))}>",
-        "return_expr": outs[0] if len(outs) == 1 else f"std::make_tuple({', '.join(outs)})",
-        "first_input": program.inputs[0].name,
-        "gemm_data": GEMM_TYPES[dtype][1],
-        "gemm_compute": GEMM_TYPES[dtype][2],
-        "layout_checks": [{"tensor": t.name} for t in program.inputs],
+        "return_type": "torch::stable::Tensor" if len(outs) == 1
+        else f"std::tuple<{', '.join(['torch::stable::Tensor'] * len(outs))}>",
+        "return_expr": f"{outs[0]}.tensor" if len(outs) == 1
+        else f"std::make_tuple({', '.join(o + '.tensor' for o in outs)})",
+        "first_input": names(program.inputs[0].name),
+        "dtype": DTYPES[dtype],
         "ones": statements.ones,
         "body": statements.out,
         **_input_checks(program, names),

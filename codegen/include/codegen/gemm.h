@@ -1,0 +1,213 @@
+// codegen runtime: row-major GEMMs on strided views through column-major cuBLAS, on the
+// current stream with PyTorch's cuBLAS handle and workspace for that stream.
+#pragma once
+
+#include <torch/csrc/stable/c/shim.h>
+
+#include <cublas_v2.h>
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstdlib>
+#include <limits>
+
+#include "codegen/check.h"
+#include "codegen/math_mode.h"
+#include "codegen/tensor.h"
+
+namespace codegen_rt {
+
+// Data and accumulate types of a program's GEMMs, decided once per call.
+struct GemmType {
+  cudaDataType_t data;
+  cublasComputeType_t compute;
+  bool disallow_reduced_precision = false;  // fp16/bf16: no reduced-precision split-K
+};
+
+inline GemmType gemm_type(DType dtype, const MathMode& mode) {
+  switch (dtype) {
+    case DType::Float32:
+      return {CUDA_R_32F, mode.tf32 ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F, false};
+    case DType::Float16:
+      return {CUDA_R_16F, CUBLAS_COMPUTE_32F, !mode.fp16_reduced};
+    case DType::BFloat16:
+      return {CUDA_R_16BF, CUBLAS_COMPUTE_32F, !mode.bf16_reduced};
+    case DType::Float64:
+      return {CUDA_R_64F, CUBLAS_COMPUTE_64F, false};
+  }
+  fail("codegen: unknown dtype (bug)");
+}
+
+inline void check_cublas(cublasStatus_t status, const char* op) {
+  CG_CHECK(status == CUBLAS_STATUS_SUCCESS, op, ": cuBLAS failed with ",
+           cublasGetStatusString(status));
+}
+
+// Test-only fault injection: with CODEGEN_TEST_FAIL_GEMM=N in the environment, the N-th
+// GEMM of the process (counting from 1, across calls) throws as a cuBLAS error would,
+// so tests can check what an exception mid-loop leaves behind.
+inline void test_fault_point(const char* op) {
+  static const long fail_at = [] {
+    const char* v = std::getenv("CODEGEN_TEST_FAIL_GEMM");
+    return v != nullptr ? std::atol(v) : 0L;
+  }();
+  if (fail_at <= 0) return;
+  static std::atomic<long> count{0};
+  if (++count == fail_at) fail(msg(op, ": injected fault (CODEGEN_TEST_FAIL_GEMM)"));
+}
+
+// How cuBLAS (column-major) reads the transpose of a row-major-indexed matrix of
+// [rows, cols] with strides (sr, sc): if the columns are contiguous, memory holds that
+// transpose with leading dimension sr (op N); if the rows are contiguous, memory holds
+// the matrix itself with leading dimension sc (op T).
+struct Operand {
+  cublasOperation_t op;
+  int64_t ld;
+};
+
+inline bool as_operand(int64_t rows, int64_t cols, int64_t sr, int64_t sc, Operand* out) {
+  const int64_t r = std::max<int64_t>(rows, 1), c = std::max<int64_t>(cols, 1);
+  if (sc == 1 || cols <= 1) {
+    const int64_t ld = rows <= 1 ? c : sr;
+    if (ld >= c) {
+      *out = {CUBLAS_OP_N, ld};
+      return true;
+    }
+  }
+  if (sr == 1 || rows <= 1) {
+    const int64_t ld = cols <= 1 ? r : sc;
+    if (ld >= r) {
+      *out = {CUBLAS_OP_T, ld};
+      return true;
+    }
+  }
+  return false;
+}
+
+// Argument layout check, once per call: every slice of a readable matrix is readable.
+inline void check_matrix(const View& t, const char* op, const char* arg) {
+  Operand o;
+  const bool ok = t.dim == 1 ? as_operand(1, t.sizes[0], t.sizes[0], t.strides[0], &o)
+                             : as_operand(t.sizes[t.dim - 2], t.sizes[t.dim - 1],
+                                          t.strides[t.dim - 2], t.strides[t.dim - 1], &o);
+  CG_CHECK(ok, op, ": argument ", arg, " has sizes ", t.shape(), " and strides ",
+           Dims{t.strides, t.dim},
+           "; cuBLAS needs its last two dims row-major or column-major (stride 1 in one, a "
+           "leading dimension at least the other's size). Pass ", arg, ".contiguous()");
+}
+
+inline int to_int(int64_t v, const char* op, const char* what) {
+  CG_CHECK(v <= std::numeric_limits<int>::max(), op, ": ", what, " = ", v,
+           " exceeds cuBLAS's int range");
+  return static_cast<int>(v);
+}
+
+// c = a @ b (+ c when accumulating) for views of rank 2 or 3 (c: [B?, M, N], a: [B?, M, K],
+// b: [B?, K, N]; a rank-2 operand is shared by every batch), on `stream`, which must be
+// PyTorch's current stream (its cuBLAS handle and workspace follow it). c must be
+// row-major, which holds for the outputs codegen allocates and their slices.
+inline void gemm(const View& c, const View& a, const View& b, const GemmType& type,
+                 bool accumulate, cudaStream_t stream, const char* op) {
+  const int64_t M = c.sizes[c.dim - 2], N = c.sizes[c.dim - 1];
+  const int64_t K = a.sizes[a.dim - 1];
+  int64_t batch = c.dim == 3 ? c.sizes[0] : 1;
+  if (M == 0 || N == 0 || batch == 0) return;  // an empty slice: nothing to do
+  test_fault_point(op);
+  const int64_t ldc = M <= 1 ? N : c.strides[c.dim - 2];
+  if (K == 0) {  // a sum over nothing: zeros (or c unchanged when accumulating)
+    if (!accumulate) {
+      for (int64_t bi = 0; bi < batch; ++bi) {
+        char* base = c.data + (c.dim == 3 ? bi * c.strides[0] * c.itemsize : 0);
+        check_cuda(cudaMemset2DAsync(base, ldc * c.itemsize, 0, N * c.itemsize, M, stream), op,
+                   "cudaMemset2DAsync");
+      }
+    }
+    return;
+  }
+  int64_t rows = M;
+  int64_t sa = a.dim == 3 ? a.strides[0] : 0, sb = b.dim == 3 ? b.strides[0] : 0;
+  int64_t sc = c.dim == 3 ? c.strides[0] : 0;
+  // A batch of row-major [M, K] slabs times one shared b is one tall GEMM.
+  const int64_t ar = a.strides[a.dim - 2], ac = a.strides[a.dim - 1];
+  if (batch > 1 && sb == 0 && ac == 1 && sa == M * ar && sc == M * ldc) {
+    rows = batch * M;
+    batch = 1;
+  }
+  Operand oa, ob;
+  CG_CHECK(as_operand(rows, K, ar, ac, &oa), op, ": unreadable layout of a (bug)");
+  CG_CHECK(as_operand(K, N, b.strides[b.dim - 2], b.strides[b.dim - 1], &ob), op,
+           ": unreadable layout of b (bug)");
+  void* raw_handle = nullptr;  // PyTorch's, bound to its current stream and workspace
+  CG_CHECK(torch_get_current_cuda_blas_handle(&raw_handle) == AOTI_TORCH_SUCCESS, op,
+           ": getting PyTorch's cuBLAS handle failed");
+  cublasHandle_t handle = static_cast<cublasHandle_t>(raw_handle);
+  const float alpha32 = 1.f, beta32 = accumulate ? 1.f : 0.f;
+  const double alpha64 = 1.0, beta64 = accumulate ? 1.0 : 0.0;
+  const bool f64 = type.compute == CUBLAS_COMPUTE_64F;
+  const void* alpha = f64 ? static_cast<const void*>(&alpha64) : &alpha32;
+  const void* beta = f64 ? static_cast<const void*>(&beta64) : &beta32;
+  // Row-major c = a @ b is column-major c^T = b^T a^T.
+  const int n = to_int(N, op, "N"), m = to_int(rows, op, "M"), k = to_int(K, op, "K");
+  const int lda = to_int(oa.ld, op, "lda"), ldb = to_int(ob.ld, op, "ldb");
+  const int ldc_i = to_int(ldc, op, "ldc");
+  if (type.disallow_reduced_precision) {
+    check_cublas(cublasSetMathMode(handle, static_cast<cublasMath_t>(
+                                               CUBLAS_DEFAULT_MATH |
+                                               CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION)),
+                 op);
+  }
+  cublasStatus_t status;
+  if (batch == 1) {
+    status = cublasGemmEx(handle, ob.op, oa.op, n, m, k, alpha, b.data, type.data, ldb, a.data,
+                          type.data, lda, beta, c.data, type.data, ldc_i, type.compute,
+                          CUBLAS_GEMM_DEFAULT);
+  } else {
+    status = cublasGemmStridedBatchedEx(handle, ob.op, oa.op, n, m, k, alpha, b.data, type.data,
+                                        ldb, sb, a.data, type.data, lda, sa, beta, c.data,
+                                        type.data, ldc_i, sc, to_int(batch, op, "batch"),
+                                        type.compute, CUBLAS_GEMM_DEFAULT);
+  }
+  if (type.disallow_reduced_precision) (void)cublasSetMathMode(handle, CUBLAS_DEFAULT_MATH);
+  check_cublas(status, op);
+}
+
+inline void matmul(const View& out, const View& a, const View& b, const GemmType& type,
+                   cudaStream_t stream, const char* op) {
+  gemm(out, a, b, type, /*accumulate=*/false, stream, op);
+}
+
+// out = x @ w^T
+inline void linear(const View& out, const View& x, const View& w, const GemmType& type,
+                   cudaStream_t stream, const char* op) {
+  gemm(out, x, transposed(w), type, /*accumulate=*/false, stream, op);
+}
+
+// out = x @ w^T + bias. The bias is written first by a rank-1 GEMM (ones[M, 1] @
+// bias[1, N]), then the main GEMM accumulates onto it; both on the slice's stream.
+// `ones` holds at least M ones.
+inline void linear(const View& out, const View& x, const View& w, const View& bias,
+                   const View& ones, const GemmType& type, cudaStream_t stream,
+                   const char* op) {
+  View col = ones;  // [B?, M, 1]: one column of ones, shared by every batch
+  col.dim = out.dim;
+  col.sizes[col.dim - 2] = out.sizes[out.dim - 2];
+  col.sizes[col.dim - 1] = 1;
+  col.strides[col.dim - 2] = 1;
+  col.strides[col.dim - 1] = 1;
+  if (out.dim == 3) {
+    col.sizes[0] = out.sizes[0];
+    col.strides[0] = 0;
+  }
+  View row = bias;  // [1, N]
+  row.dim = 2;
+  row.sizes[1] = bias.sizes[0];
+  row.strides[1] = bias.strides[0];
+  row.sizes[0] = 1;
+  row.strides[0] = row.sizes[1];
+  gemm(out, col, row, type, /*accumulate=*/false, stream, op);
+  gemm(out, x, transposed(w), type, /*accumulate=*/true, stream, op);
+}
+
+}  // namespace codegen_rt

@@ -1,0 +1,183 @@
+// codegen runtime: the caller's stream, worker streams, and the events between them.
+//
+// Worker streams come from a process-wide pool that LEASES them to threads: a thread
+// takes a lease on its first call on a device and gives it back when the thread exits,
+// so two live threads never share a worker stream (a graph capture in one thread can
+// not record another thread's GEMMs), and short-lived threads reuse the streams and
+// events of threads that ended: the pool never grows past the number of threads alive
+// at once, and nothing is created per call. (PyTorch's own pool hands out its 32
+// streams round-robin, so a ninth thread would share the first thread's streams.)
+//
+// `Streams` is the host program's view of them, one per call: it remembers the caller's
+// stream, makes streams current for PyTorch (allocations, cuBLAS workspaces), and on
+// every exit -- a return or an exception thrown mid-loop -- makes the caller's stream
+// wait for every worker that got work since it last waited, then makes the caller's
+// stream current again. Without that join, an exception would let the caller's stream
+// free outputs and intermediates while worker GEMMs still write them.
+#pragma once
+
+#include <torch/csrc/inductor/aoti_torch/c/shim.h>
+#include <torch/csrc/stable/c/shim.h>
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+#include "codegen/check.h"
+
+namespace codegen_rt {
+
+// A stream and the reusable event used to wait for it (no timing; recorded, then
+// waited on right away, so one event per stream suffices).
+struct Stream {
+  cudaStream_t handle = nullptr;
+  cudaEvent_t event = nullptr;
+  int64_t worker = -1;  // index in the lease, or -1 for the caller's stream
+};
+
+// The streams one thread uses on one device.
+struct Lease {
+  int32_t device = 0;
+  cudaEvent_t caller_event = nullptr;
+  std::vector<Stream> workers;
+
+  Stream& worker(int64_t k) {
+    while (static_cast<int64_t>(workers.size()) <= k) {
+      Stream s;
+      s.worker = static_cast<int64_t>(workers.size());
+      check_cuda(cudaStreamCreateWithFlags(&s.handle, cudaStreamNonBlocking), "codegen",
+                 "creating a worker stream");
+      check_cuda(cudaEventCreateWithFlags(&s.event, cudaEventDisableTiming), "codegen",
+                 "creating an event");
+      workers.push_back(s);
+    }
+    return workers[static_cast<size_t>(k)];
+  }
+};
+
+// Leases not held by a live thread, per device. Never destroyed (it must outlive the
+// thread-local holders that give leases back at exit), bounded by the number of threads
+// alive at once.
+class LeasePool {
+ public:
+  static LeasePool& get() {
+    static LeasePool* pool = new LeasePool();
+    return *pool;
+  }
+
+  std::unique_ptr<Lease> take(int32_t device) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      auto& free = free_for(device);
+      if (!free.empty()) {
+        std::unique_ptr<Lease> lease = std::move(free.back());
+        free.pop_back();
+        return lease;
+      }
+    }
+    auto lease = std::make_unique<Lease>();
+    lease->device = device;
+    check_cuda(cudaEventCreateWithFlags(&lease->caller_event, cudaEventDisableTiming),
+               "codegen", "creating an event");
+    return lease;
+  }
+
+  void give_back(std::unique_ptr<Lease> lease) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    free_for(lease->device).push_back(std::move(lease));
+  }
+
+ private:
+  std::vector<std::unique_ptr<Lease>>& free_for(int32_t device) {
+    if (static_cast<size_t>(device) >= free_.size()) free_.resize(device + 1);
+    return free_[static_cast<size_t>(device)];
+  }
+  std::mutex mutex_;
+  std::vector<std::vector<std::unique_ptr<Lease>>> free_;
+};
+
+// This thread's lease on `device`, returned to the pool when the thread exits.
+inline Lease& thread_lease(int32_t device) {
+  struct Held {
+    std::vector<std::unique_ptr<Lease>> by_device;
+    ~Held() {
+      for (auto& lease : by_device) {
+        if (lease) LeasePool::get().give_back(std::move(lease));
+      }
+    }
+  };
+  thread_local Held held;
+  if (static_cast<size_t>(device) >= held.by_device.size()) held.by_device.resize(device + 1);
+  auto& lease = held.by_device[static_cast<size_t>(device)];
+  if (!lease) lease = LeasePool::get().take(device);
+  return *lease;
+}
+
+inline void set_torch_stream(cudaStream_t stream, int32_t device) {
+  CG_CHECK(torch_set_current_cuda_stream(stream, device) == AOTI_TORCH_SUCCESS,
+           "codegen: setting the current CUDA stream failed");
+}
+
+// One call's streams: see the comment at the top of this file.
+class Streams {
+ public:
+  explicit Streams(int32_t device) : device_(device), lease_(&thread_lease(device)) {
+    void* handle = nullptr;
+    CG_CHECK(aoti_torch_get_current_cuda_stream(device, &handle) == AOTI_TORCH_SUCCESS,
+             "codegen: getting the current CUDA stream failed");
+    caller_ = {static_cast<cudaStream_t>(handle), lease_->caller_event, -1};
+    current_ = caller_;
+  }
+  Streams(const Streams&) = delete;
+  Streams& operator=(const Streams&) = delete;
+
+  ~Streams() {
+    // No throwing from here: on an error path the first error is the one to report.
+    for (size_t k = 0; k < dirty_.size(); ++k) {
+      if (!dirty_[k]) continue;
+      const Stream& w = lease_->workers[k];
+      (void)cudaEventRecord(w.event, w.handle);
+      (void)cudaStreamWaitEvent(caller_.handle, w.event, 0);
+    }
+    if (current_.handle != caller_.handle) {
+      (void)torch_set_current_cuda_stream(caller_.handle, device_);
+    }
+  }
+
+  const Stream& caller() const { return caller_; }
+  const Stream& current() const { return current_; }
+  Stream worker(int64_t k) { return lease_->worker(k); }
+
+  void set_current(const Stream& s) {
+    if (s.handle == current_.handle) return;
+    set_torch_stream(s.handle, device_);
+    current_ = s;
+    if (s.worker >= 0) mark(s.worker, true);
+  }
+
+  // The current stream waits for the work queued so far on `target` (no host block).
+  void wait(const Stream& target) {
+    if (target.handle == current_.handle) return;
+    check_cuda(cudaEventRecord(target.event, target.handle), "codegen", "cudaEventRecord");
+    check_cuda(cudaStreamWaitEvent(current_.handle, target.event, 0), "codegen",
+               "cudaStreamWaitEvent");
+    if (current_.handle == caller_.handle && target.worker >= 0) mark(target.worker, false);
+  }
+
+ private:
+  void mark(int64_t k, bool dirty) {
+    if (static_cast<int64_t>(dirty_.size()) <= k) dirty_.resize(static_cast<size_t>(k) + 1, 0);
+    dirty_[static_cast<size_t>(k)] = dirty ? 1 : 0;
+  }
+
+  int32_t device_;
+  Lease* lease_;
+  Stream caller_;
+  Stream current_;
+  std::vector<char> dirty_;  // worker k has work the caller's stream has not waited for
+};
+
+}  // namespace codegen_rt

@@ -1,0 +1,184 @@
+// codegen runtime: tensors as the host program sees them -- strided views that cost a
+// few integer operations to slice, the checks of the op's arguments, and allocation
+// through PyTorch's caching allocator.
+#pragma once
+
+#include <torch/csrc/inductor/aoti_torch/c/shim.h>
+#include <torch/csrc/inductor/aoti_torch/generated/c_shim_aten.h>
+#include <torch/csrc/stable/tensor.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <utility>
+
+#include "codegen/check.h"
+
+namespace codegen_rt {
+
+constexpr int kMaxDims = 3;
+
+// A strided view of a tensor or of one stream slice of it: cheap to copy and to narrow
+// (no TensorImpl, no refcount, no calls into torch).
+struct View {
+  char* data = nullptr;
+  int dim = 0;
+  int64_t itemsize = 0;
+  int64_t sizes[kMaxDims] = {0, 0, 0};
+  int64_t strides[kMaxDims] = {0, 0, 0};
+
+  int64_t size(int d) const { return sizes[d]; }
+  Dims shape() const { return {sizes, dim}; }
+};
+
+// A tensor the program owns or was given, with its view read once.
+struct Buffer : View {
+  torch::stable::Tensor tensor;
+  int32_t device = -1;
+
+  void reset() { tensor = torch::stable::Tensor(); data = nullptr; }
+};
+
+// Element types, as the AOTI shim numbers them.
+enum class DType { Float32, Float16, BFloat16, Float64 };
+
+inline int32_t aoti_dtype(DType t) {
+  switch (t) {
+    case DType::Float32: return aoti_torch_dtype_float32();
+    case DType::Float16: return aoti_torch_dtype_float16();
+    case DType::BFloat16: return aoti_torch_dtype_bfloat16();
+    case DType::Float64: return aoti_torch_dtype_float64();
+  }
+  return -1;
+}
+
+inline int64_t itemsize(DType t) {
+  switch (t) {
+    case DType::Float32: return 4;
+    case DType::Float16: return 2;
+    case DType::BFloat16: return 2;
+    case DType::Float64: return 8;
+  }
+  return 0;
+}
+
+inline const char* dtype_name(int32_t code) {
+  if (code == aoti_torch_dtype_float32()) return "float32";
+  if (code == aoti_torch_dtype_float16()) return "float16";
+  if (code == aoti_torch_dtype_bfloat16()) return "bfloat16";
+  if (code == aoti_torch_dtype_float64()) return "float64";
+  if (code == aoti_torch_dtype_int64()) return "int64";
+  if (code == aoti_torch_dtype_int32()) return "int32";
+  if (code == aoti_torch_dtype_bool()) return "bool";
+  return "a dtype codegen does not support";
+}
+
+inline const char* device_type_name(int32_t type) {
+  if (type == aoti_torch_device_type_cuda()) return "cuda";
+  if (type == aoti_torch_device_type_cpu()) return "cpu";
+  if (type == aoti_torch_device_type_meta()) return "meta";
+  return "a non-CUDA device";
+}
+
+inline void check_shim(AOTITorchError status, const char* op, const char* what) {
+  CG_CHECK(status == AOTI_TORCH_SUCCESS, op, ": ", what, " failed in torch");
+}
+
+// Argument `arg` of op: a CUDA tensor of dtype `dtype` and rank `rank` (`type` spells
+// the declared type, e.g. "float32[m, k]", for the message). Reads its view once.
+inline Buffer input(const torch::stable::Tensor& t, const char* op, const char* arg,
+                    DType dtype, int rank, const char* type) {
+  AtenTensorHandle h = t.get();
+  CG_CHECK(h != nullptr, op, ": argument ", arg, " is an undefined tensor");
+  int32_t device_type = 0, device = 0, code = 0;
+  check_shim(aoti_torch_get_device_type(h, &device_type), op, "reading a device");
+  CG_CHECK(device_type == aoti_torch_device_type_cuda(), op, ": argument ", arg,
+           " must be a CUDA tensor, got a tensor on ", device_type_name(device_type));
+  check_shim(aoti_torch_get_device_index(h, &device), op, "reading a device");
+  check_shim(aoti_torch_get_dtype(h, &code), op, "reading a dtype");
+  CG_CHECK(code == aoti_dtype(dtype), op, ": argument ", arg, " must be ",
+           dtype_name(aoti_dtype(dtype)), ", got ", dtype_name(code));
+  int64_t dim = 0;
+  int64_t *sizes = nullptr, *strides = nullptr;
+  check_shim(aoti_torch_get_dim(h, &dim), op, "reading a rank");
+  check_shim(aoti_torch_get_sizes(h, &sizes), op, "reading sizes");
+  check_shim(aoti_torch_get_strides(h, &strides), op, "reading strides");
+  CG_CHECK(dim == rank, op, ": argument ", arg, " must have rank ", rank, " ", type,
+           ", got shape ", Dims{sizes, dim});
+  void* data = nullptr;
+  check_shim(aoti_torch_get_data_ptr(h, &data), op, "reading a data pointer");
+  Buffer b;
+  b.tensor = t;
+  b.device = device;
+  b.data = static_cast<char*>(data);
+  b.dim = rank;
+  b.itemsize = itemsize(dtype);
+  for (int d = 0; d < rank; ++d) {
+    b.sizes[d] = sizes[d];
+    b.strides[d] = strides[d];
+  }
+  return b;
+}
+
+inline void same_device(const Buffer& t, const char* arg, const Buffer& first,
+                        const char* first_arg, const char* op) {
+  CG_CHECK(t.device == first.device, op, ": argument ", arg, " is on cuda:", t.device,
+           " but ", first_arg, " is on cuda:", first.device,
+           "; all inputs must be on one device");
+}
+
+// A new contiguous tensor from PyTorch's caching allocator, on the current stream.
+template <size_t N>
+Buffer empty(const int64_t (&sizes)[N], DType dtype, int32_t device, const char* op) {
+  int64_t strides[N];
+  int64_t stride = 1;
+  for (size_t d = N; d-- > 0;) {
+    strides[d] = stride;
+    stride *= std::max<int64_t>(sizes[d], 1);
+  }
+  AtenTensorHandle h = nullptr;
+  check_shim(aoti_torch_empty_strided(static_cast<int64_t>(N), sizes, strides,
+                                      aoti_dtype(dtype), aoti_torch_device_type_cuda(), device,
+                                      &h),
+             op, "allocating an output");
+  Buffer b;
+  b.tensor = torch::stable::Tensor(h);
+  b.device = device;
+  void* data = nullptr;
+  check_shim(aoti_torch_get_data_ptr(h, &data), op, "reading a data pointer");
+  b.data = static_cast<char*>(data);
+  b.dim = static_cast<int>(N);
+  b.itemsize = itemsize(dtype);
+  for (size_t d = 0; d < N; ++d) {
+    b.sizes[d] = sizes[d];
+    b.strides[d] = strides[d];
+  }
+  return b;
+}
+
+// n ones: the column that broadcasts a bias through a rank-1 GEMM.
+inline Buffer ones(int64_t n, DType dtype, int32_t device, const char* op) {
+  Buffer b = empty({n}, dtype, device, op);
+  check_shim(aoti_torch_aten_fill__Scalar(b.tensor.get(), 1.0), op, "filling ones");
+  return b;
+}
+
+inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// Slice `index` of `v` along `axis`: [index*chunk, min((index+1)*chunk, n)), clamped to
+// n, so the last slices may be short or empty.
+inline View shard(View v, int axis, int64_t index, int64_t chunk) {
+  const int64_t n = v.sizes[axis];
+  const int64_t start = std::min(index * chunk, n);
+  v.data += start * v.strides[axis] * v.itemsize;
+  v.sizes[axis] = std::min(chunk, n - start);
+  return v;
+}
+
+// The last two dims swapped: linear's weight [n, k] read as [k, n].
+inline View transposed(View v) {
+  std::swap(v.sizes[v.dim - 2], v.sizes[v.dim - 1]);
+  std::swap(v.strides[v.dim - 2], v.strides[v.dim - 1]);
+  return v;
+}
+
+}  // namespace codegen_rt
