@@ -10,7 +10,8 @@ setup(
     packages=["codegen", "codegen.templates"],
     # templates/ lives at the top of the repo and ships inside the package.
     package_dir={"codegen": "codegen", "codegen.templates": "templates"},
-    package_data={"codegen.templates": ["*.j2"]},
+    # The C++ runtime headers ship with the package: every generated program includes them.
+    package_data={"codegen.templates": ["*.j2"], "codegen": ["include/codegen/*.h"]},
     install_requires=["torch>=2.4", "jinja2>=3.0", "ninja"],
     extras_require={
         "test": ["pytest>=7", "ruff", "matplotlib"],

@@ -19,7 +19,7 @@ import torch
 
 from . import hostir as hir
 from .errors import InternalError
-from .ir import DTYPE_NAMES, CeilDiv, Const, Expr, Min, Mul, Sym
+from .ir import CeilDiv, Const, Expr, Min, Mul, Sym
 
 if TYPE_CHECKING:
     import jinja2

@@ -1,0 +1,157 @@
+"""The C++ runtime's promises on the GPU (issue 13): a throw mid-loop still joins the
+workers into the caller's stream; threads never share worker streams (graph capture in
+one thread, eager calls in another); thousands of short-lived threads grow nothing; the
+precision flags reach cuBLAS. Marked `gpu`."""
+
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import ints
+
+import codegen as cg
+from codegen import examples as ex
+
+pytestmark = pytest.mark.gpu
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def rows_op(cache_dir):
+    return cg.compile(ex.matmul_rows())
+
+
+def run_child(code: str, **env: str) -> subprocess.CompletedProcess:
+    full_env = {**os.environ, "PYTHONPATH": str(REPO), **env}
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=full_env,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_a_throw_mid_loop_still_joins_the_workers(cache_dir):
+    # Slice 0's GEMM is long (K = 2^16, fp32); the GEMM of slice 1 throws (injected). The
+    # output's memory goes back to the caller's stream, which zero-fills a new tensor in
+    # it. Without the join, slice 0's GEMM would land on those zeros afterwards.
+    code = """
+        import torch, codegen as cg
+        from codegen import examples as ex
+        torch.backends.cuda.matmul.allow_tf32 = False
+        op = cg.compile(ex.matmul_rows(torch.float32, 2))
+        a = torch.ones(2048, 1 << 16, device="cuda")
+        b = torch.ones(1 << 16, 2048, device="cuda")
+        torch.cuda.synchronize()
+        try:
+            op(a, b)
+            raise SystemExit("no error was raised")
+        except RuntimeError as e:
+            assert "injected fault" in str(e), e
+        fresh = [torch.zeros(2048, 2048, device="cuda") for _ in range(4)]
+        torch.cuda.synchronize()
+        bad = sum(int(f.count_nonzero()) for f in fresh)
+        print("nonzero", bad)
+        assert bad == 0, bad
+        # The caller's stream is current again, and the op still works.
+        assert torch.cuda.current_stream() == torch.cuda.default_stream()
+        x, y = torch.ones(64, 32, device="cuda"), torch.ones(32, 16, device="cuda")
+        assert torch.equal(op(x, y), x @ y)
+    """
+    r = run_child(code, CODEGEN_TEST_FAIL_GEMM="2")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "nonzero 0" in r.stdout
+
+
+def test_capture_in_one_thread_while_another_calls_eagerly(rows_op):
+    a, b = torch.randn(512, 256, device="cuda"), torch.randn(256, 128, device="cuda")
+    rows_op(a, b)
+    torch.cuda.synchronize()
+    stop, errors = threading.Event(), []
+
+    def eager() -> None:
+        x, y = ints(300, 64, device="cuda"), ints(64, 32, device="cuda")
+        while not stop.is_set():
+            if not torch.equal(rows_op(x, y), x @ y):
+                errors.append("eager mismatch")
+
+    worker = threading.Thread(target=eager)
+    worker.start()
+    try:
+        for _ in range(20):
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = rows_op(a, b)
+            a.copy_(torch.randn_like(a))
+            graph.replay()
+            torch.cuda.synchronize()
+            ref = a.double() @ b.double()
+            assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-3
+    finally:
+        stop.set()
+        worker.join()
+    assert not errors, errors[:3]
+
+
+def test_2000_short_lived_threads_grow_nothing(rows_op):
+    a, b = ints(256, 64, device="cuda"), ints(64, 32, device="cuda")
+
+    def once() -> None:
+        assert torch.equal(rows_op(a, b), a @ b)
+
+    def run(n: int) -> None:
+        for _ in range(n):
+            t = threading.Thread(target=once)
+            t.start()
+            t.join()
+
+    run(20)
+    torch.cuda.synchronize()
+    # Each new worker stream would get its own cuBLAS workspace from the caching
+    # allocator: new streams per thread would show here.
+    reserved, allocated = torch.cuda.memory_reserved(), torch.cuda.memory_allocated()
+    run(2000)
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_reserved() == reserved
+    assert torch.cuda.memory_allocated() == allocated
+
+
+def test_tf32_flag_is_read_at_every_call(cache_dir):
+    op = cg.compile(ex.matmul_rows(torch.float32, 2))
+    a = torch.randn(1024, 4096, device="cuda")
+    b = torch.randn(4096, 1024, device="cuda")
+    ref = a.double() @ b.double()
+    saved = torch.backends.cuda.matmul.allow_tf32
+    try:
+        torch.backends.cuda.matmul.allow_tf32 = False
+        strict = ((op(a, b).double() - ref).norm() / ref.norm()).item()
+        torch.backends.cuda.matmul.allow_tf32 = True
+        loose = ((op(a, b).double() - ref).norm() / ref.norm()).item()
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = saved
+    assert strict < 1e-6 and loose > 1e-5, (strict, loose)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_reduced_precision_reduction_flag_reaches_cublas(cache_dir, dtype):
+    # A tall-K product that cuBLAS likes to split: with reduced-precision reduction
+    # disallowed the result is within fp32-accumulation error of the exact product.
+    op = cg.compile(ex.matmul_rows(dtype, 1, name=f"rp_{str(dtype)[6:]}"))
+    torch.manual_seed(0)
+    a = torch.rand(16, 1 << 17, device="cuda").to(dtype)
+    b = torch.rand(1 << 17, 16, device="cuda").to(dtype)
+    ref = a.double() @ b.double()
+    flag = ("allow_fp16_reduced_precision_reduction" if dtype == torch.float16
+            else "allow_bf16_reduced_precision_reduction")
+    saved = getattr(torch.backends.cuda.matmul, flag)
+    try:
+        setattr(torch.backends.cuda.matmul, flag, False)
+        out = op(a, b)
+        torch_out = a @ b
+    finally:
+        setattr(torch.backends.cuda.matmul, flag, saved)
+    err = ((out.double() - ref).abs().max() / ref.abs().max()).item()
+    torch_err = ((torch_out.double() - ref).abs().max() / ref.abs().max()).item()
+    # Rounding the final result to 16 bits is the only large error left.
+    assert err <= max(2 * torch_err, 8e-3), (err, torch_err)
