@@ -173,7 +173,7 @@ def test_opcheck(ops):
 
 @pytest.mark.parametrize("case,match", [
     ("cpu", "argument T0 must be a CUDA tensor, got a tensor on cpu"),
-    ("dtype", "argument T1 must be float32, got Half"),
+    ("dtype", "argument T1 must be float32, got float16"),
     ("size", "argument T1 axis 0 must have size k = 24, got 23"),
     ("rank", r"argument T0 must have rank 2 float32\[m, k\], got shape \[37, 24, 1\]"),
     ("layout", "argument T1 has sizes .* strides .*Pass T1.contiguous()"),

@@ -64,24 +64,38 @@ def test_a_throw_mid_loop_still_joins_the_workers(cache_dir):
     assert "nonzero 0" in r.stdout
 
 
-def test_capture_in_one_thread_while_another_calls_eagerly(rows_op):
+def test_capture_in_one_thread_while_others_call_eagerly(rows_op):
+    # Eight eager threads and the capturing main thread: with PyTorch's round-robin pool
+    # (32 streams, 4 per thread here) the ninth user would share the first one's streams
+    # and its capture would record, or break on, that thread's GEMMs.
     a, b = torch.randn(512, 256, device="cuda"), torch.randn(256, 128, device="cuda")
-    rows_op(a, b)
-    torch.cuda.synchronize()
-    stop, errors = threading.Event(), []
+    x, y = ints(300, 64, device="cuda"), ints(64, 32, device="cuda")
+    want = x @ y
+    stop, errors, calls = threading.Event(), [], [0] * 8
+    started = threading.Barrier(9)
 
-    def eager() -> None:
-        x, y = ints(300, 64, device="cuda"), ints(64, 32, device="cuda")
-        while not stop.is_set():
-            if not torch.equal(rows_op(x, y), x @ y):
-                errors.append("eager mismatch")
+    def eager(t: int) -> None:
+        try:
+            assert torch.equal(rows_op(x, y), want)
+            started.wait()
+            while not stop.is_set():
+                if not torch.equal(rows_op(x, y), want):
+                    errors.append(f"thread {t}: eager mismatch")
+                calls[t] += 1
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(f"thread {t}: {e!r}")
+            started.abort()
 
-    worker = threading.Thread(target=eager)
-    worker.start()
+    workers = [threading.Thread(target=eager, args=(t,)) for t in range(8)]
+    for w in workers:
+        w.start()
     try:
+        started.wait()
+        rows_op(a, b)
+        torch.cuda.synchronize()
         for _ in range(20):
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
                 out = rows_op(a, b)
             a.copy_(torch.randn_like(a))
             graph.replay()
@@ -90,8 +104,10 @@ def test_capture_in_one_thread_while_another_calls_eagerly(rows_op):
             assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-3
     finally:
         stop.set()
-        worker.join()
+        for w in workers:
+            w.join()
     assert not errors, errors[:3]
+    assert min(calls) > 0, calls
 
 
 def test_2000_short_lived_threads_grow_nothing(rows_op):
