@@ -341,8 +341,10 @@ def build(program: hir.HostProgram, source: str | None = None) -> CompiledOp:
     return compiled
 
 
-def compile(fusion: Any, *, pool_size: int = 4) -> CompiledOp:  # noqa: A001 - public API
-    """Lower, render, build and load ``fusion`` as a torch op."""
+def compile(fusion: Any, *, pool_size: int = 4,  # noqa: A001 - public API
+            gemm_sm_count: int = 0) -> CompiledOp:
+    """Lower, render, build and load ``fusion`` as a torch op. ``gemm_sm_count`` caps the
+    SMs of each GEMM (cuBLASLt's SM_COUNT_TARGET; 0 = all)."""
     from .lowering import lower
 
-    return build(lower(fusion, pool_size=pool_size))
+    return build(lower(fusion, pool_size=pool_size, gemm_sm_count=gemm_sm_count))

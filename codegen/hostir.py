@@ -199,6 +199,7 @@ class HostProgram:
     body: list[Node]
     constraints: list[Constraint] = dataclasses.field(default_factory=list)
     pool_size: int = 4
+    gemm_sm_count: int = 0  # SMs each GEMM may use (cuBLASLt's SM_COUNT_TARGET); 0 = all
 
     def nodes(self) -> Iterator[Node]:
         """Every node in program order, loop bodies included (pre-order)."""
@@ -218,7 +219,8 @@ class HostProgram:
 
     def signature(self) -> str:
         args = ", ".join(f"{t.name}: {t.type_str()}" for t in self.inputs)
-        return f"HostProgram {self.name}({args}) -> ({', '.join(self.outputs)}):"
+        budget = f" [gemm_sm_count={self.gemm_sm_count}]" if self.gemm_sm_count else ""
+        return f"HostProgram {self.name}({args}) -> ({', '.join(self.outputs)}){budget}:"
 
     def __str__(self) -> str:
         lines = [self.signature()]

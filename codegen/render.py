@@ -40,7 +40,7 @@ DTYPES: dict[torch.dtype, str] = {
 # program symbol (tensor, view, extent) spelled like one of these is renamed in the C++
 # (``op`` -> ``op_``); messages keep the user's spelling.
 _RESERVED = frozenset("""
-    op device device_guard gemm_type streams main_stream i j rt codegen_rt torch std
+    op device device_guard gemms streams main_stream i j rt codegen_rt torch std
     alignas alignof and and_eq asm auto bitand bitor bool break case catch char char8_t
     char16_t char32_t class compl concept const consteval constexpr constinit const_cast
     continue co_await co_return co_yield decltype default delete do double dynamic_cast
@@ -53,9 +53,8 @@ _RESERVED = frozenset("""
     uint8_t uint16_t uint32_t uint64_t size_t CG_CHECK TORCH_BOX
 """.split())
 
-# Suffixes of C++ names derived from a symbol (``T0_arg`` is the parameter of ``T0``,
-# ``T3_ones`` the column of ones for the bias of ``T3``).
-_DERIVED = ("_arg", "_ones")
+# Suffixes of C++ names derived from a symbol (``T0_arg`` is the parameter of ``T0``).
+_DERIVED = ("_arg",)
 
 
 def template_dir() -> Path:
@@ -213,8 +212,6 @@ class _Statements:
     def __init__(self, program: hir.HostProgram, names: _Names) -> None:
         self.program, self.names = program, names
         self.allocations = program.allocations()
-        self.base: dict[str, str] = {}  # view -> the tensor it slices
-        self.ones: list[dict[str, str]] = []
         self.out: list[dict[str, Any]] = []
 
     def emit(self, nodes: list[hir.Node], depth: int) -> None:
@@ -248,7 +245,6 @@ class _Statements:
                 "stop": self.names.expr(n.stop)}
 
     def ShardByStream(self, n: hir.ShardByStream) -> dict[str, Any]:
-        self.base[n.out] = self.base.get(n.tensor, n.tensor)
         return {"out": self.names(n.out), "tensor": self.names(n.tensor), "axis": n.axis,
                 "index": n.index, "chunk": self.names.expr(n.chunk)}
 
@@ -256,16 +252,8 @@ class _Statements:
         return {"out": self.names(n.out), "a": self.names(n.a), "b": self.names(n.b)}
 
     def Linear(self, n: hir.Linear) -> dict[str, Any]:
-        fields: dict[str, Any] = {"out": self.names(n.out), "x": self.names(n.x),
-                                  "w": self.names(n.w), "bias": ""}
-        if n.bias:
-            fields["bias"] = self.names(n.bias)
-            whole = self.base.get(n.out, n.out)
-            fields["ones"] = f"{self.names(whole)}_ones"
-            if all(o["name"] != fields["ones"] for o in self.ones):
-                rows = self.allocations[whole].shape[-2]
-                self.ones.append({"name": fields["ones"], "size": self.names.expr(rows)})
-        return fields
+        return {"out": self.names(n.out), "x": self.names(n.x), "w": self.names(n.w),
+                "bias": self.names(n.bias) if n.bias else ""}
 
 
 def prepare(program: hir.HostProgram) -> dict[str, Any]:
@@ -292,7 +280,7 @@ def prepare(program: hir.HostProgram) -> dict[str, Any]:
         else f"std::make_tuple({', '.join(o + '.tensor' for o in outs)})",
         "first_input": names(program.inputs[0].name),
         "dtype": DTYPES[dtype],
-        "ones": statements.ones,
+        "sm_count": program.gemm_sm_count,
         "body": statements.out,
         **_input_checks(program, names),
     }

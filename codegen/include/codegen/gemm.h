@@ -2,6 +2,7 @@
 // current stream with PyTorch's cuBLAS handle and workspace for that stream.
 #pragma once
 
+#include <torch/csrc/inductor/aoti_torch/generated/c_shim_aten.h>
 #include <torch/csrc/stable/c/shim.h>
 
 #include <cublas_v2.h>
@@ -12,9 +13,13 @@
 #include <cstdint>
 #include <cstdlib>
 #include <limits>
+#include <mutex>
+#include <utility>
+#include <vector>
 
 #include "codegen/check.h"
 #include "codegen/math_mode.h"
+#include "codegen/stream.h"
 #include "codegen/tensor.h"
 
 namespace codegen_rt {
@@ -104,42 +109,42 @@ inline int to_int(int64_t v, const char* op, const char* what) {
   return static_cast<int>(v);
 }
 
-// c = a @ b (+ c when accumulating) for views of rank 2 or 3 (c: [B?, M, N], a: [B?, M, K],
-// b: [B?, K, N]; a rank-2 operand is shared by every batch), on `stream`, which must be
-// PyTorch's current stream (its cuBLAS handle and workspace follow it). c must be
-// row-major, which holds for the outputs codegen allocates and their slices.
-inline void gemm(const View& c, const View& a, const View& b, const GemmType& type,
-                 bool accumulate, cudaStream_t stream, const char* op) {
-  const int64_t M = c.sizes[c.dim - 2], N = c.sizes[c.dim - 1];
-  const int64_t K = a.sizes[a.dim - 1];
-  int64_t batch = c.dim == 3 ? c.sizes[0] : 1;
-  if (M == 0 || N == 0 || batch == 0) return;  // an empty slice: nothing to do
-  test_fault_point(op);
-  const int64_t ldc = M <= 1 ? N : c.strides[c.dim - 2];
-  if (K == 0) {  // a sum over nothing: zeros (or c unchanged when accumulating)
-    if (!accumulate) {
-      for (int64_t bi = 0; bi < batch; ++bi) {
-        char* base = c.data + (c.dim == 3 ? bi * c.strides[0] * c.itemsize : 0);
-        check_cuda(cudaMemset2DAsync(base, ldc * c.itemsize, 0, N * c.itemsize, M, stream), op,
-                   "cudaMemset2DAsync");
-      }
+// ---- cuBLAS (the fallback) ---------------------------------------------------------
+
+// n ones on `device` for broadcasting a bias through a rank-1 GEMM, shared read-only by
+// every stream and call: a process cache per (device, dtype) that only grows (a smaller
+// buffer is kept alive, since kernels queued earlier may still read it). Made ready
+// with one host wait when it grows, which never happens during graph capture.
+inline View ones_column(int64_t n, DType dtype, int32_t device, cudaStream_t stream,
+                        const char* op) {
+  static std::mutex mutex;
+  static auto* cache = new std::vector<std::pair<std::pair<int32_t, int>, Buffer>>();
+  std::lock_guard<std::mutex> lock(mutex);
+  for (auto& [key, buffer] : *cache) {
+    if (key == std::make_pair(device, static_cast<int>(dtype)) && buffer.sizes[0] >= n) {
+      return buffer;
     }
-    return;
   }
-  int64_t rows = M;
-  int64_t sa = a.dim == 3 ? a.strides[0] : 0, sb = b.dim == 3 ? b.strides[0] : 0;
-  int64_t sc = c.dim == 3 ? c.strides[0] : 0;
-  // A batch of row-major [M, K] slabs times one shared b is one tall GEMM.
-  const int64_t ar = a.strides[a.dim - 2], ac = a.strides[a.dim - 1];
-  if (batch > 1 && sb == 0 && ac == 1 && sa == M * ar && sc == M * ldc) {
-    rows = batch * M;
-    batch = 1;
-  }
-  Operand oa, ob;
-  CG_CHECK(as_operand(rows, K, ar, ac, &oa), op, ": unreadable layout of a (bug)");
-  CG_CHECK(as_operand(K, N, b.strides[b.dim - 2], b.strides[b.dim - 1], &ob), op,
-           ": unreadable layout of b (bug)");
-  void* raw_handle = nullptr;  // PyTorch's, bound to its current stream and workspace
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  check_cuda(cudaStreamIsCapturing(stream, &capture), op, "cudaStreamIsCapturing");
+  CG_CHECK(capture == cudaStreamCaptureStatusNone, op,
+           ": a linear with a bias this GEMM cannot fuse needs a column of ", n,
+           " ones, made outside graph capture: call the op once before capturing it");
+  const int64_t rows = std::max<int64_t>(n, 1024);
+  Buffer b = empty({rows}, dtype, device, op);
+  check_shim(aoti_torch_aten_fill__Scalar(b.tensor.get(), 1.0), op, "filling ones");
+  check_cuda(cudaStreamSynchronize(stream), op, "cudaStreamSynchronize");
+  cache->push_back({{device, static_cast<int>(dtype)}, b});
+  return b;
+}
+
+// c = a @ b (+ c when accumulating) through cublasGemmEx on PyTorch's handle, bound to
+// the current stream (with PyTorch's workspace for it).
+inline void gemm_cublas(int n, int m, int k, const Operand& oa, const Operand& ob,
+                        int64_t sa, int64_t sb, int64_t sc, int64_t batch, const View& c,
+                        int ldc, const View& a, const View& b, const GemmType& type,
+                        bool accumulate, const char* op) {
+  void* raw_handle = nullptr;
   CG_CHECK(torch_get_current_cuda_blas_handle(&raw_handle) == AOTI_TORCH_SUCCESS, op,
            ": getting PyTorch's cuBLAS handle failed");
   cublasHandle_t handle = static_cast<cublasHandle_t>(raw_handle);
@@ -148,10 +153,7 @@ inline void gemm(const View& c, const View& a, const View& b, const GemmType& ty
   const bool f64 = type.compute == CUBLAS_COMPUTE_64F;
   const void* alpha = f64 ? static_cast<const void*>(&alpha64) : &alpha32;
   const void* beta = f64 ? static_cast<const void*>(&beta64) : &beta32;
-  // Row-major c = a @ b is column-major c^T = b^T a^T.
-  const int n = to_int(N, op, "N"), m = to_int(rows, op, "M"), k = to_int(K, op, "K");
   const int lda = to_int(oa.ld, op, "lda"), ldb = to_int(ob.ld, op, "ldb");
-  const int ldc_i = to_int(ldc, op, "ldc");
   if (type.disallow_reduced_precision) {
     check_cublas(cublasSetMathMode(handle, static_cast<cublasMath_t>(
                                                CUBLAS_DEFAULT_MATH |
@@ -161,53 +163,149 @@ inline void gemm(const View& c, const View& a, const View& b, const GemmType& ty
   cublasStatus_t status;
   if (batch == 1) {
     status = cublasGemmEx(handle, ob.op, oa.op, n, m, k, alpha, b.data, type.data, ldb, a.data,
-                          type.data, lda, beta, c.data, type.data, ldc_i, type.compute,
+                          type.data, lda, beta, c.data, type.data, ldc, type.compute,
                           CUBLAS_GEMM_DEFAULT);
   } else {
     status = cublasGemmStridedBatchedEx(handle, ob.op, oa.op, n, m, k, alpha, b.data, type.data,
                                         ldb, sb, a.data, type.data, lda, sa, beta, c.data,
-                                        type.data, ldc_i, sc, to_int(batch, op, "batch"),
+                                        type.data, ldc, sc, to_int(batch, op, "batch"),
                                         type.compute, CUBLAS_GEMM_DEFAULT);
   }
   if (type.disallow_reduced_precision) (void)cublasSetMathMode(handle, CUBLAS_DEFAULT_MATH);
   check_cublas(status, op);
 }
 
-inline void matmul(const View& out, const View& a, const View& b, const GemmType& type,
-                   cudaStream_t stream, const char* op) {
-  gemm(out, a, b, type, /*accumulate=*/false, stream, op);
-}
+// ---- the program's GEMMs ------------------------------------------------------------
 
-// out = x @ w^T
-inline void linear(const View& out, const View& x, const View& w, const GemmType& type,
-                   cudaStream_t stream, const char* op) {
-  gemm(out, x, transposed(w), type, /*accumulate=*/false, stream, op);
-}
+// One call's GEMMs: the types and flags are read once per call; each GEMM on a worker
+// stream runs as one cublasLtMatmul from a cached plan (gemm_plan.h) with that stream's
+// workspace, else (the caller's stream, graph capture of a shape never planned, a bias
+// cuBLASLt cannot fuse, an empty contraction) through cublasGemmEx.
+class Gemms {
+ public:
+  Gemms(DType dtype, int32_t device, int sm_count, const char* op)
+      : dtype_(dtype), device_(device), sm_count_(sm_count), op_(op),
+        type_(gemm_type(dtype, math_mode(op))) {}
 
-// out = x @ w^T + bias. The bias is written first by a rank-1 GEMM (ones[M, 1] @
-// bias[1, N]), then the main GEMM accumulates onto it; both on the slice's stream.
-// `ones` holds at least M ones.
-inline void linear(const View& out, const View& x, const View& w, const View& bias,
-                   const View& ones, const GemmType& type, cudaStream_t stream,
-                   const char* op) {
-  View col = ones;  // [B?, M, 1]: one column of ones, shared by every batch
-  col.dim = out.dim;
-  col.sizes[col.dim - 2] = out.sizes[out.dim - 2];
-  col.sizes[col.dim - 1] = 1;
-  col.strides[col.dim - 2] = 1;
-  col.strides[col.dim - 1] = 1;
-  if (out.dim == 3) {
-    col.sizes[0] = out.sizes[0];
-    col.strides[0] = 0;
+  void matmul(const View& out, const View& a, const View& b, const Stream& stream) {
+    gemm(out, a, b, nullptr, stream);
   }
-  View row = bias;  // [1, N]
-  row.dim = 2;
-  row.sizes[1] = bias.sizes[0];
-  row.strides[1] = bias.strides[0];
-  row.sizes[0] = 1;
-  row.strides[0] = row.sizes[1];
-  gemm(out, col, row, type, /*accumulate=*/false, stream, op);
-  gemm(out, x, transposed(w), type, /*accumulate=*/true, stream, op);
-}
+
+  // out = x @ w^T (+ bias)
+  void linear(const View& out, const View& x, const View& w, const Stream& stream) {
+    gemm(out, x, transposed(w), nullptr, stream);
+  }
+  void linear(const View& out, const View& x, const View& w, const View& bias,
+              const Stream& stream) {
+    gemm(out, x, transposed(w), &bias, stream);
+  }
+
+ private:
+  // c = a @ b (+ bias) for views of rank 2 or 3 (c: [B?, M, N], a: [B?, M, K], b: [B?, K,
+  // N]; a rank-2 operand is shared by every batch; bias: [N]). c must be row-major, which
+  // holds for the outputs codegen allocates and their slices.
+  void gemm(const View& c, const View& a, const View& b, const View* bias,
+            const Stream& stream) {
+    const char* op = op_;
+    const int64_t M = c.sizes[c.dim - 2], N = c.sizes[c.dim - 1];
+    const int64_t K = a.sizes[a.dim - 1];
+    const int64_t batches = c.dim == 3 ? c.sizes[0] : 1;
+    if (M == 0 || N == 0 || batches == 0) return;  // an empty slice: nothing to do
+    test_fault_point(op);
+    const int64_t ldc = M <= 1 ? N : c.strides[c.dim - 2];
+    if (K == 0 && bias == nullptr) {  // a sum over nothing: zeros
+      for (int64_t bi = 0; bi < batches; ++bi) {
+        char* base = c.data + (c.dim == 3 ? bi * c.strides[0] * c.itemsize : 0);
+        check_cuda(cudaMemset2DAsync(base, ldc * c.itemsize, 0, N * c.itemsize, M,
+                                     stream.handle),
+                   op, "cudaMemset2DAsync");
+      }
+      return;
+    }
+    if (K > 0 && stream.workspace != nullptr && fusable(bias)) {
+      int64_t rows = M, batch = batches;
+      const int64_t sa = a.dim == 3 ? a.strides[0] : 0, sb = b.dim == 3 ? b.strides[0] : 0;
+      const int64_t sc = c.dim == 3 ? c.strides[0] : 0;
+      // A batch of row-major [M, K] slabs times one shared b is one tall GEMM.
+      const int64_t ar = a.strides[a.dim - 2], ac = a.strides[a.dim - 1];
+      if (batch > 1 && sb == 0 && ac == 1 && sa == M * ar && sc == M * ldc) {
+        rows = batch * M;
+        batch = 1;
+      }
+      Operand oa, ob;
+      CG_CHECK(as_operand(rows, K, ar, ac, &oa), op, ": unreadable layout of a (bug)");
+      CG_CHECK(as_operand(K, N, b.strides[b.dim - 2], b.strides[b.dim - 1], &ob), op,
+               ": unreadable layout of b (bug)");
+      // Row-major c = a @ b is column-major c^T = b^T a^T.
+      if (gemm_lt(to_int(N, op, "N"), to_int(rows, op, "M"), to_int(K, op, "K"), ob, oa, sb, sa,
+                  sc, batch, c, to_int(ldc, op, "ldc"), b, a, bias, stream)) {
+        return;
+      }
+    }
+    if (bias == nullptr) {
+      gemm_unfused(c, a, b, /*accumulate=*/false, stream);
+      return;
+    }
+    // The bias first, by a rank-1 GEMM (ones[M, 1] @ bias[1, N]), then the product
+    // accumulates onto it.
+    View col = ones_column(M, dtype_, device_, stream.handle, op);  // [B?, M, 1]
+    col.dim = c.dim;
+    col.sizes[col.dim - 2] = M;
+    col.sizes[col.dim - 1] = 1;
+    col.strides[col.dim - 2] = 1;
+    col.strides[col.dim - 1] = 1;
+    if (c.dim == 3) {
+      col.sizes[0] = c.sizes[0];
+      col.strides[0] = 0;
+    }
+    View row = *bias;  // [1, N]
+    row.dim = 2;
+    row.sizes[1] = bias->sizes[0];
+    row.strides[1] = bias->strides[0];
+    row.sizes[0] = 1;
+    row.strides[0] = row.sizes[1];
+    gemm_unfused(c, col, row, /*accumulate=*/false, stream);
+    if (K > 0) gemm_unfused(c, a, b, /*accumulate=*/true, stream);
+  }
+
+  // The same GEMM with no bias, accumulating or not, through cublasGemmEx.
+  void gemm_unfused(const View& c, const View& a, const View& b, bool accumulate,
+                    const Stream& stream) {
+    const char* op = op_;
+    const int64_t M = c.sizes[c.dim - 2], N = c.sizes[c.dim - 1], K = a.sizes[a.dim - 1];
+    int64_t batch = c.dim == 3 ? c.sizes[0] : 1;
+    const int64_t ldc = M <= 1 ? N : c.strides[c.dim - 2];
+    int64_t sa = a.dim == 3 ? a.strides[0] : 0, sb = b.dim == 3 ? b.strides[0] : 0;
+    int64_t sc = c.dim == 3 ? c.strides[0] : 0;
+    Operand oa, ob;
+    CG_CHECK(as_operand(M, K, a.strides[a.dim - 2], a.strides[a.dim - 1], &oa), op,
+             ": unreadable layout of a (bug)");
+    CG_CHECK(as_operand(K, N, b.strides[b.dim - 2], b.strides[b.dim - 1], &ob), op,
+             ": unreadable layout of b (bug)");
+    (void)stream;  // cublasGemmEx runs on PyTorch's current stream, which is `stream`
+    gemm_cublas(to_int(N, op, "N"), to_int(M, op, "M"), to_int(K, op, "K"), oa, ob, sa, sb, sc,
+                batch, c, to_int(ldc, op, "ldc"), a, b, type_, accumulate, op);
+  }
+
+  // cuBLASLt's bias epilogue reads a contiguous, 16-byte aligned vector.
+  static bool fusable(const View* bias) {
+    if (bias == nullptr) return true;
+    return (bias->strides[0] == 1 || bias->sizes[0] <= 1) &&
+           reinterpret_cast<uintptr_t>(bias->data) % 16 == 0;
+  }
+
+  // Column-major D[m, n] = op(A) op(B) (+ bias[m]), in cuBLAS's terms (gemm_plan.h).
+  bool gemm_lt(int m, int n, int k, const Operand& oa, const Operand& ob, int64_t sa, int64_t sb,
+               int64_t sc, int64_t batch, const View& c, int ldc, const View& a, const View& b,
+               const View* bias, const Stream& stream);
+
+  DType dtype_;
+  int32_t device_;
+  int sm_count_;
+  const char* op_;
+  GemmType type_;
+};
 
 }  // namespace codegen_rt
+
+#include "codegen/gemm_plan.h"

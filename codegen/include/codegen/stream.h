@@ -18,6 +18,7 @@
 
 #include <torch/csrc/inductor/aoti_torch/c/shim.h>
 #include <torch/csrc/stable/c/shim.h>
+#include <torch/csrc/stable/tensor.h>
 
 #include <cuda_runtime_api.h>
 
@@ -30,12 +31,22 @@
 
 namespace codegen_rt {
 
+// Scratch memory of one worker stream (cuBLASLt's workspace), from PyTorch's caching
+// allocator, used only on that stream, so never by two streams at once.
+struct Workspace {
+  torch::stable::Tensor tensor;
+  void* data = nullptr;
+  size_t size = 0;
+  bool ready = false;  // allocated (never during graph capture)
+};
+
 // A stream and the reusable event used to wait for it (no timing; recorded, then
 // waited on right away, so one event per stream suffices).
 struct Stream {
   cudaStream_t handle = nullptr;
   cudaEvent_t event = nullptr;
   int64_t worker = -1;  // index in the lease, or -1 for the caller's stream
+  Workspace* workspace = nullptr;  // a worker's own; none for the caller's stream
 };
 
 // The streams one thread uses on one device.
@@ -43,11 +54,14 @@ struct Lease {
   int32_t device = 0;
   cudaEvent_t caller_event = nullptr;
   std::vector<Stream> workers;
+  std::vector<std::unique_ptr<Workspace>> workspaces;  // one per worker
 
   Stream& worker(int64_t k) {
     while (static_cast<int64_t>(workers.size()) <= k) {
       Stream s;
       s.worker = static_cast<int64_t>(workers.size());
+      workspaces.push_back(std::make_unique<Workspace>());
+      s.workspace = workspaces.back().get();
       check_cuda(cudaStreamCreateWithFlags(&s.handle, cudaStreamNonBlocking), "codegen",
                  "creating a worker stream");
       check_cuda(cudaEventCreateWithFlags(&s.event, cudaEventDisableTiming), "codegen",
