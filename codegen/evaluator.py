@@ -52,6 +52,9 @@ def check_inputs(program: hir.HostProgram, inputs: Sequence[object]) -> dict[str
         if x.dim() != len(info.shape):
             raise ValueError(f"{name}: argument {info.name} must have rank {len(info.shape)} "
                              f"{info.type_str()}, got shape {list(x.shape)}")
+        if info.device == "cpu":
+            _check_host_input(name, info, x)
+            continue
         if device is None:
             device, first = x.device, info.name
         elif x.device != device:
@@ -77,6 +80,38 @@ def check_inputs(program: hir.HostProgram, inputs: Sequence[object]) -> dict[str
     return env
 
 
+def _check_host_input(name: str, info: hir.TensorInfo, x: torch.Tensor) -> None:
+    """A ``device="cpu"`` input must be a CPU tensor (pinned or pageable).
+
+    A GPU tensor there is refused rather than used in place: the declaration promises
+    that the program streams the operand through staging slots and never holds it whole
+    on the GPU, the compiled op copies it from host memory, and accepting a GPU tensor
+    would silently run a different program (and hide a misplaced ``.cuda()``)."""
+    if x.device.type != "cpu":
+        raise ValueError(
+            f"{name}: argument {info.name} was declared device=\"cpu\" (host memory, "
+            f"copied to the GPU slice by slice) but is on {x.device}; pass a CPU tensor "
+            f"({info.name}.cpu(), pinned with .pin_memory() for overlapped copies) or "
+            f"declare it cg.input(..., device=\"cuda\")"
+        )
+
+
+def program_device(program: hir.HostProgram, inputs: Sequence[torch.Tensor]) -> torch.device:
+    """Where ``evaluate`` runs ``program`` (after ``check_inputs``).
+
+    The device of the first ``device="cuda"`` input, all of which are on one device: a
+    CPU tensor there runs the whole program on the CPU (staging and copies included, so
+    the CPU tests check the same program). With no such input (every input in host
+    memory) it is the current CUDA device when CUDA is available, like the compiled op,
+    else the CPU. Host inputs and outputs are always CPU tensors."""
+    for info, x in zip(program.inputs, inputs):
+        if info.device == "cuda":
+            return x.device
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 class _Interpreter:
     def __init__(self, program: hir.HostProgram, env: dict[str, int],
                  values: dict[str, torch.Tensor], device: torch.device) -> None:
@@ -97,6 +132,10 @@ class _Interpreter:
     # One method per node kind, named as the node.
     def Allocate(self, n: hir.Allocate) -> None:
         shape = [e.evaluate(self.env) for e in n.out.shape]
+        if n.out.device == "cpu":  # pinned only where there is a GPU to copy to
+            self.values[n.out.name] = torch.empty(shape, dtype=n.out.dtype,
+                                                  pin_memory=n.pinned and self.cuda)
+            return
         self.values[n.out.name] = torch.empty(shape, dtype=n.out.dtype, device=self.device)
 
     def Deallocate(self, n: hir.Deallocate) -> None:
@@ -129,6 +168,18 @@ class _Interpreter:
         start = min(self.env[n.index] * chunk, size)
         self.values[n.out] = t.narrow(n.axis, start, min(chunk, size - start))
 
+    def StagingSlot(self, n: hir.StagingSlot) -> None:
+        like = self.values[n.like]
+        slot = self.values[n.stage][n.slot.position(self.env)]
+        self.values[n.out] = slot.view(-1)[: like.numel()].view(like.shape)
+
+    def Copy(self, n: hir.Copy) -> None:
+        self.values[n.out].copy_(self.values[n.src], non_blocking=True)
+
+    def StreamSynchronize(self, n: hir.StreamSynchronize) -> None:
+        if self.cuda:
+            self.stream(n.stream).synchronize()
+
     def Matmul(self, n: hir.Matmul) -> None:
         v = self.values
         torch.matmul(v[n.a], v[n.b], out=v[n.out])
@@ -145,12 +196,14 @@ class _Interpreter:
 
 
 def evaluate(program: hir.HostProgram, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """Runs ``program`` on ``inputs`` (CPU or CUDA tensors); returns its outputs."""
+    """Runs ``program`` on ``inputs`` (CPU or CUDA tensors); returns its outputs.
+    The program runs where ``program_device`` says; host (``device="cpu"``) outputs are
+    CPU tensors, pinned when it runs on CUDA, and complete when this returns."""
     if not isinstance(program, hir.HostProgram):
         raise TypeError(f"evaluate expects a cg.HostProgram (from cg.lower), "
                         f"got {type(program).__name__}")
     env = check_inputs(program, inputs)
-    device = inputs[0].device if inputs else torch.device("cpu")
+    device = program_device(program, inputs)
     values = {t.name: x for t, x in zip(program.inputs, inputs)}
     interp = _Interpreter(program, env, values, device)
     caller = torch.cuda.current_stream(device) if interp.cuda else None

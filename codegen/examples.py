@@ -108,6 +108,36 @@ def batched() -> Fusion:
     return fusion
 
 
+def stream_weights(dtype: torch.dtype = torch.bfloat16, slices: int = 8,
+                   name: str = "stream_weights") -> Fusion:
+    """x [m, k] on the GPU @ w [k, n] in host memory: w streamed in by column slices
+    (one staging slot per worker stream), out [m, n] on the GPU."""
+    with Fusion(name) as fusion:
+        x = ir.input(["m", "k"], dtype)
+        w = ir.input(["k", "n"], dtype, device="cpu")
+        out = ir.matmul(x, w)
+        ir.output(out)
+    out.outer_split(1, slices)
+    out.axis(1).parallelize(Stream)
+    return fusion
+
+
+def offload_activations(dtype: torch.dtype = torch.bfloat16, slices: int = 8,
+                        name: str = "offload_activations") -> Fusion:
+    """x [m, k] in host memory @ w [k, n] on the GPU: x streamed in and out [m, n]
+    streamed back to (pinned) host memory, both by row slices."""
+    with Fusion(name) as fusion:
+        x = ir.input(["m", "k"], dtype, device="cpu")
+        w = ir.input(["k", "n"], dtype)
+        out = ir.matmul(x, w)
+        ir.output(out, device="cpu")
+    out.outer_split(0, slices)
+    out.axis(0).parallelize(Stream)
+    return fusion
+
+
+# stream_weights and offload_activations are not registered here yet: this table is
+# also the list of csrc_gen/ goldens, and the C++ renderer has no Copy yet.
 EXAMPLES: dict[str, Example] = {
     e.name: e
     for e in (

@@ -9,12 +9,13 @@ lines above the statements it emits.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
+from typing import ClassVar
 
 import torch
 
 from .errors import InternalError
-from .ir import DTYPE_NAMES, Const, Expr, ParallelType, minimum
+from .ir import DEVICES, DTYPE_NAMES, Const, Expr, ParallelType, minimum
 
 MAIN_STREAM = "main_stream"
 
@@ -29,7 +30,16 @@ class Stream:
     pool: int | None = None
 
     def __str__(self) -> str:
-        return f"Stream({self.index} % {self.pool})" if self.pool else f"Stream({self.index})"
+        return f"Stream({self.position_str()})"
+
+    def position_str(self) -> str:
+        """``i % 4`` or ``i``: which stream of the pool (and which staging slot)."""
+        return f"{self.index} % {self.pool}" if self.pool else self.index
+
+    def position(self, env: Mapping[str, int]) -> int:
+        """The stream's position in the pool for the loop index in ``env``."""
+        k = env[self.index]
+        return k % self.pool if self.pool else k
 
 
 StreamRef = Stream | str  # a worker stream, or the named value of GetCurrentStream
@@ -40,16 +50,28 @@ class TensorInfo:
     name: str
     dtype: torch.dtype
     shape: tuple[Expr, ...]
+    device: str = "cuda"  # "cuda": the op's GPU; "cpu": host memory (see ir.DEVICES)
 
     def type_str(self) -> str:
         return f"{DTYPE_NAMES[self.dtype]}[{', '.join(map(str, self.shape))}]"
+
+    def placement_str(self) -> str:
+        """`` device=cpu`` for host tensors, nothing for the GPU (the default)."""
+        return "" if self.device == "cuda" else f" device={self.device}"
 
 
 # ---------------------------------------------------------------------------- nodes
 
 
 class Node:
+    # The fields that hold tensor names (what ``_renamed`` rewrites).
+    tensor_fields: ClassVar[tuple[str, ...]] = ()
+
     def children(self) -> list[Node]:
+        return []
+
+    def writes(self) -> list[str]:
+        """Tensor values (already allocated, or views) whose elements this node writes."""
         return []
 
     def uses(self) -> list[str]:
@@ -63,18 +85,25 @@ class Node:
 
 @dataclasses.dataclass(eq=False)
 class Allocate(Node):
+    """A new tensor on ``out.device``; ``pinned`` host memory (page-locked, so copies to
+    and from the GPU run asynchronously on a stream) for host outputs."""
+
     out: TensorInfo
+    pinned: bool = False
 
     def defines(self) -> list[str]:
         return [self.out.name]
 
     def __str__(self) -> str:
-        return f"{self.out.name} = Allocate({self.out.type_str()})"
+        where = f", device={self.out.device}" if self.out.device != "cuda" else ""
+        pinned = ", pinned=True" if self.pinned else ""
+        return f"{self.out.name} = Allocate({self.out.type_str()}{where}{pinned})"
 
 
 @dataclasses.dataclass(eq=False)
 class Deallocate(Node):
     tensor: str
+    tensor_fields: ClassVar[tuple[str, ...]] = ("tensor",)
 
     def uses(self) -> list[str]:
         return [self.tensor]
@@ -135,6 +164,7 @@ class ShardByStream(Node):
     axis: int
     index: str
     chunk: Expr
+    tensor_fields: ClassVar[tuple[str, ...]] = ("out", "tensor")
 
     def uses(self) -> list[str]:
         return [self.tensor]
@@ -154,9 +184,13 @@ class Matmul(Node):
     out: str
     a: str
     b: str
+    tensor_fields: ClassVar[tuple[str, ...]] = ("out", "a", "b")
 
     def uses(self) -> list[str]:
         return [self.a, self.b, self.out]
+
+    def writes(self) -> list[str]:
+        return [self.out]
 
     def __str__(self) -> str:
         return f"Matmul({self.a}, {self.b}, out={self.out})"
@@ -170,13 +204,84 @@ class Linear(Node):
     x: str
     w: str
     bias: str | None = None
+    tensor_fields: ClassVar[tuple[str, ...]] = ("out", "x", "w", "bias")
 
     def uses(self) -> list[str]:
         return [self.x, self.w] + ([self.bias] if self.bias else []) + [self.out]
 
+    def writes(self) -> list[str]:
+        return [self.out]
+
     def __str__(self) -> str:
         bias = f", {self.bias}" if self.bias else ""
         return f"Linear({self.x}, {self.w}{bias}, out={self.out})"
+
+
+@dataclasses.dataclass(eq=False)
+class Copy(Node):
+    """``out`` (already allocated, possibly a slice) = ``src``, same shape, any two devices
+    (host <-> GPU), queued on the current stream. From or to pinned host memory it is
+    asynchronous for the host; a strided slice (a column block of a row-major matrix) is
+    one 2-D copy."""
+
+    src: str
+    out: str
+    tensor_fields: ClassVar[tuple[str, ...]] = ("src", "out")
+
+    def uses(self) -> list[str]:
+        return [self.src, self.out]
+
+    def writes(self) -> list[str]:
+        return [self.out]
+
+    def __str__(self) -> str:
+        return f"Copy({self.src}, out={self.out})"
+
+
+@dataclasses.dataclass(eq=False)
+class StagingSlot(Node):
+    """``out`` = the staging slot of stream ``slot`` in ``stage``, shaped like ``like``.
+
+    ``stage`` is a GPU tensor ``[slots, *chunk_shape]`` allocated before a stream loop
+    with one slot per worker stream (``stream_count``), so the GPU holds at most that
+    many slices of a host operand, never the whole of it. ``out`` is slot ``slot``'s
+    first ``like.numel()`` elements viewed contiguously (row-major) with ``like``'s shape,
+    so a ragged last slice is a dense block too.
+
+    Reuse is safe by stream order alone: ``slot`` is the iteration's worker stream
+    (``worker_stream``, the same value ``assign_streams`` switches to; ``verify`` checks
+    it), so slot k is only touched by the iterations on ``Stream(k)``, in loop order; the
+    copy of iteration i + pool into slot k is queued on ``Stream(k)`` behind the GEMM and
+    the copies of iteration i that used it. No event, no host wait.
+    """
+
+    out: str
+    stage: str
+    slot: Stream
+    like: str
+    tensor_fields: ClassVar[tuple[str, ...]] = ("out", "stage", "like")
+
+    def uses(self) -> list[str]:
+        return [self.stage, self.like]
+
+    def defines(self) -> list[str]:
+        return [self.out]
+
+    def __str__(self) -> str:
+        return (f"{self.out} = StagingSlot({self.stage}, slot={self.slot.position_str()}, "
+                f"like={self.like})")
+
+
+@dataclasses.dataclass(eq=False)
+class StreamSynchronize(Node):
+    """The host waits until ``stream`` has finished everything queued on it (unlike
+    ``Synchronize``, which only orders two streams). Ends a program with host outputs,
+    so that they are complete when it returns."""
+
+    stream: StreamRef
+
+    def __str__(self) -> str:
+        return f"StreamSynchronize({self.stream})"
 
 
 # ---------------------------------------------------------------------------- program
@@ -218,7 +323,7 @@ class HostProgram:
         return {n.out.name: n.out for n in self.nodes() if isinstance(n, Allocate)}
 
     def signature(self) -> str:
-        args = ", ".join(f"{t.name}: {t.type_str()}" for t in self.inputs)
+        args = ", ".join(f"{t.name}: {t.type_str()}{t.placement_str()}" for t in self.inputs)
         budget = f" [gemm_sm_count={self.gemm_sm_count}]" if self.gemm_sm_count else ""
         return f"HostProgram {self.name}({args}) -> ({', '.join(self.outputs)}){budget}:"
 
@@ -257,7 +362,7 @@ def verify(program: HostProgram) -> HostProgram:
                 local.add(d)
             if isinstance(n, GetCurrentStream):
                 has_main = True
-            if isinstance(n, (SetCurrentStream, Synchronize)):
+            if isinstance(n, (SetCurrentStream, Synchronize, StreamSynchronize)):
                 s = n.stream
                 if isinstance(s, str) and not has_main:
                     raise InternalError(f"{n}: {s} is not defined\n{program}")
@@ -273,7 +378,32 @@ def verify(program: HostProgram) -> HostProgram:
     for o in program.outputs:
         if o not in defined:
             raise InternalError(f"output {o} is not defined at the end\n{program}")
+    _verify_residency(program)
     return program
+
+
+def _verify_residency(program: HostProgram) -> None:
+    """Devices are known; a staging slot is used inside a stream loop and is the slot of
+    the stream that the loop runs on (once streams are assigned)."""
+    for t in [*program.inputs, *program.allocations().values()]:
+        if t.device not in DEVICES:
+            raise InternalError(f"{t.name}: unknown device {t.device!r}\n{program}")
+    in_loops: set[int] = set()
+    for loop in program.nodes():
+        if not isinstance(loop, ForLoop):
+            continue
+        streams = [n.stream for n in loop.body if isinstance(n, SetCurrentStream)]
+        for n in loop.body:
+            if isinstance(n, StagingSlot):
+                in_loops.add(id(n))
+                if loop.parallel is not ParallelType.Stream or n.slot.index != loop.index:
+                    raise InternalError(f"{n}: not indexed by a stream loop\n{program}")
+                if streams and streams[0] != n.slot:
+                    raise InternalError(f"{n}: slot differs from the loop's stream "
+                                        f"{streams[0]}\n{program}")
+    stray = [n for n in program.nodes() if isinstance(n, StagingSlot) and id(n) not in in_loops]
+    if stray:
+        raise InternalError(f"{stray[0]}: staging slot outside a loop\n{program}")
 
 
 # ---------------------------------------------------------------------------- passes
@@ -293,6 +423,19 @@ def _map_stream_loops(
     return program.replace(body=body)
 
 
+def worker_stream(loop: ForLoop, pool: int) -> Stream:
+    """The worker stream of an iteration of a stream loop: ``Stream(i % pool)``, or
+    ``Stream(i)`` when the loop never has more iterations than the pool. The one rule
+    for both ``assign_streams`` and the staging slots (``StagingSlot``)."""
+    fits = isinstance(loop.stop, Const) and loop.stop.value <= pool
+    return Stream(loop.index, None if fits else pool)
+
+
+def stream_count(loop: ForLoop, pool: int) -> Expr:
+    """How many worker streams (and staging slots) a stream loop uses."""
+    return minimum(loop.stop, Const(pool))
+
+
 def assign_streams(program: HostProgram) -> HostProgram:
     """Puts each stream loop's iteration on a worker stream from a bounded pool.
 
@@ -303,9 +446,7 @@ def assign_streams(program: HostProgram) -> HostProgram:
     pool = program.pool_size
 
     def assign(loop: ForLoop) -> list[Node]:
-        fits = isinstance(loop.stop, Const) and loop.stop.value <= pool
-        stream = Stream(loop.index, None if fits else pool)
-        body = [SetCurrentStream(stream), *loop.body]
+        body = [SetCurrentStream(worker_stream(loop, pool)), *loop.body]
         return [dataclasses.replace(loop, body=body)]
 
     return _map_stream_loops(program, assign)
@@ -330,7 +471,7 @@ def insert_fork_join(program: HostProgram) -> HostProgram:
     def fork_join(loop: ForLoop) -> list[Node]:
         nonlocal used
         used = True
-        n_streams = minimum(loop.stop, Const(pool))
+        n_streams = stream_count(loop, pool)
         fork = ForLoop("j", Const(0), n_streams,
                        [SetCurrentStream(Stream("j")), Synchronize(MAIN_STREAM)])
         join = ForLoop("j", Const(0), n_streams, [Synchronize(Stream("j"))])
@@ -362,7 +503,8 @@ def remove_dead_code(program: HostProgram) -> HostProgram:
     def keep(nodes: list[Node]) -> list[Node]:
         kept: list[Node] = []
         for n in nodes:
-            if isinstance(n, (ShardByStream, Allocate)) and not set(n.defines()) & live:
+            views = (ShardByStream, StagingSlot, Allocate)
+            if isinstance(n, views) and not set(n.defines()) & live:
                 continue
             if isinstance(n, Deallocate) and n.tensor not in live:
                 continue
@@ -374,7 +516,200 @@ def remove_dead_code(program: HostProgram) -> HostProgram:
     return program.replace(body=keep(program.body))
 
 
-HOSTIR_PASSES: tuple[HostPass, ...] = (remove_dead_code, assign_streams, insert_fork_join)
+# ---------------------------------------------------------------------------- host-resident
+
+
+def _renamed(node: Node, mapping: Mapping[str, str]) -> Node:
+    """``node`` (a new one if anything changed) with tensor names replaced by ``mapping``."""
+    if isinstance(node, ForLoop):
+        return dataclasses.replace(node, body=[_renamed(n, mapping) for n in node.body])
+    if isinstance(node, Allocate):
+        new = mapping.get(node.out.name)
+        return dataclasses.replace(node, out=dataclasses.replace(node.out, name=new)) \
+            if new else node
+    changes = {f: mapping[v] for f in node.tensor_fields if (v := getattr(node, f)) in mapping}
+    return dataclasses.replace(node, **changes) if changes else node
+
+
+def _uses(node: Node, name: str) -> bool:
+    return name in node.uses() or any(_uses(c, name) for c in node.children())
+
+
+class _FreshNames:
+    def __init__(self, program: HostProgram) -> None:
+        self.taken = {t.name for t in program.inputs} | set(program.outputs)
+        self.taken |= {d for n in program.nodes() for d in n.defines()}
+
+    def __call__(self, base: str) -> str:
+        name, k = base, 1
+        while name in self.taken:
+            k += 1
+            name = f"{base}{k}"
+        self.taken.add(name)
+        return name
+
+
+def _is_stream_loop(n: Node) -> bool:
+    return isinstance(n, ForLoop) and n.parallel is ParallelType.Stream
+
+
+def _sliced_only(body: list[Node], name: str, written: bool) -> bool:
+    """Every use of ``name`` is a ShardByStream in a stream loop; with ``written``, each
+    such view is also written in its loop (it is an op output computed slice by slice)."""
+    for top in body:
+        if not _uses(top, name):
+            continue
+        if not _is_stream_loop(top):
+            return False
+        assert isinstance(top, ForLoop)
+        for n in top.body:
+            if isinstance(n, ShardByStream) and n.tensor == name:
+                if written and not any(n.out in m.writes() for m in top.body):
+                    return False
+            elif _uses(n, name):
+                return False
+    return True
+
+
+def _stage_loop(loop: ForLoop, info: TensorInfo, read: bool, pool: int, fresh: _FreshNames,
+                ) -> tuple[list[Node], ForLoop, list[Node]]:
+    """Stages the slices of host tensor ``info`` in one stream loop: returns the staging
+    allocations (before the loop), the new loop, and the deallocations (after it).
+
+    Before:  T1_i = ShardByStream(T1, ...); Matmul(T0, T1_i, out=T2_i)
+    After:   T1_i = ShardByStream(T1, ...); T1_s = StagingSlot(T1_stage, slot=i % 4,
+             like=T1_i); Copy(T1_i, out=T1_s); Matmul(T0, T1_s, out=T2_i)
+    A ``read`` (input) slice is copied in right after its view; an output slice is
+    computed into its slot and copied out right after the node that writes it.
+    """
+    allocs: list[Node] = []
+    body: list[Node] = []
+    mapping: dict[str, str] = {}  # host view -> its slot, in the nodes after the view
+    copy_out: dict[str, str] = {}  # slot -> host view
+    stream = worker_stream(loop, pool)
+    for n in loop.body:
+        n = _renamed(n, mapping)
+        body.append(n)
+        if isinstance(n, ShardByStream) and n.tensor == info.name:
+            stage = fresh(f"{info.name}_stage")
+            chunk_shape = tuple(n.chunk if a == n.axis else e for a, e in enumerate(info.shape))
+            allocs.append(Allocate(TensorInfo(stage, info.dtype,
+                                              (stream_count(loop, pool), *chunk_shape))))
+            slot = fresh(f"{info.name}_s")
+            body.append(StagingSlot(slot, stage, stream, like=n.out))
+            mapping[n.out] = slot
+            if read:
+                body.append(Copy(n.out, out=slot))
+            else:
+                copy_out[slot] = n.out
+        for w in n.writes():
+            if w in copy_out:
+                body.append(Copy(w, out=copy_out.pop(w)))
+    if copy_out:
+        raise InternalError(f"{loop}: host slices {sorted(copy_out.values())} never written")
+    deallocs: list[Node] = [Deallocate(a.out.name) for a in allocs if isinstance(a, Allocate)]
+    return allocs, dataclasses.replace(loop, body=body), deallocs
+
+
+def _stage_sliced(body: list[Node], info: TensorInfo, read: bool, pool: int,
+                  fresh: _FreshNames) -> list[Node]:
+    out: list[Node] = []
+    for n in body:
+        if isinstance(n, ForLoop) and _uses(n, info.name):
+            allocs, loop, deallocs = _stage_loop(n, info, read, pool, fresh)
+            out += [*allocs, loop, *deallocs]
+        else:
+            out.append(n)
+    return out
+
+
+def _copy_whole(body: list[Node], info: TensorInfo, read: bool, fresh: _FreshNames,
+                ) -> list[Node]:
+    """A host tensor read whole (or an output also read by other ops, or computed
+    outside a loop) lives whole on the GPU as ``<name>_dev``: an input is copied in once
+    before its first use, an output copied out once after the node that computes it."""
+    dev = fresh(f"{info.name}_dev")
+    body = [_renamed(n, {info.name: dev}) for n in body]
+    users = [k for k, n in enumerate(body) if _uses(n, dev)]  # an output's first: its op
+    out: list[Node] = []
+    for k, n in enumerate(body):
+        if read and k == users[0]:
+            out += [Allocate(dataclasses.replace(info, name=dev, device="cuda")),
+                    Copy(info.name, out=dev)]
+        if not read and isinstance(n, Allocate) and n.out.name == dev:
+            out += [Allocate(dataclasses.replace(n.out, device="cuda")),
+                    Allocate(info, pinned=True)]
+            continue
+        out.append(n)
+        if not read and k == users[0]:
+            out.append(Copy(dev, out=info.name))
+        if k == users[-1]:
+            out.append(Deallocate(dev))
+    return out
+
+
+def stage_host_tensors(program: HostProgram) -> HostProgram:
+    """Moves host-resident inputs and outputs through the GPU, slice by slice.
+
+    Before: compute nodes read host inputs and write host outputs (``device=cpu``) as if
+    they were on the GPU. After: every tensor a compute node touches is on the GPU.
+    A host tensor that only stream loops use, slice by slice, goes through a staging
+    tensor with one slot per worker stream (``_stage_loop``); anything else is copied
+    whole once (``_copy_whole``). Host outputs are allocated in pinned memory.
+
+        for i in range(0, 8) [Stream]:
+          T1_i = ShardByStream(T1, axis=1, index=i, chunk=ceilDiv(n, 8))
+          T1_s = StagingSlot(T1_stage, slot=i % 4, like=T1_i)
+          Copy(T1_i, out=T1_s)
+          Matmul(T0, T1_s, out=T2_i)
+    """
+    pool = program.pool_size
+    allocs = program.allocations()
+    host = [(t, True) for t in program.inputs if t.device == "cpu"]
+    host += [(allocs[o], False) for o in program.outputs if allocs[o].device == "cpu"]
+    if not host:
+        return program
+    fresh = _FreshNames(program)
+    body = list(program.body)
+    for info, read in host:
+        if not any(_uses(n, info.name) for n in body):
+            continue
+        if _sliced_only(body, info.name, written=not read):
+            body = _stage_sliced(body, info, read, pool, fresh)
+            if not read:
+                body = [Allocate(n.out, pinned=True)
+                        if isinstance(n, Allocate) and n.out.name == info.name else n
+                        for n in body]
+        else:
+            body = _copy_whole(body, info, read, fresh)
+    return program.replace(body=body)
+
+
+def synchronize_host_outputs(program: HostProgram) -> HostProgram:
+    """Makes host outputs complete when the program returns.
+
+    Before:  ...; return T2             (T2 = Allocate(..., device=cpu, pinned=True))
+    After:   ...; StreamSynchronize(main_stream); return T2
+    The copies out were queued on worker streams that the caller's stream joined, so
+    waiting for the caller's stream waits for them; only programs with host outputs
+    block the host.
+    """
+    allocs = program.allocations()
+    if not any(allocs[o].device == "cpu" for o in program.outputs if o in allocs):
+        return program
+    body = list(program.body)
+    if not any(isinstance(n, GetCurrentStream) for n in body):
+        body.insert(0, GetCurrentStream(MAIN_STREAM))
+    return program.replace(body=[*body, StreamSynchronize(MAIN_STREAM)])
+
+
+HOSTIR_PASSES: tuple[HostPass, ...] = (
+    remove_dead_code,
+    stage_host_tensors,
+    assign_streams,
+    insert_fork_join,
+    synchronize_host_outputs,
+)
 
 
 # ---------------------------------------------------------------------------- input checks

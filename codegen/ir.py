@@ -207,6 +207,10 @@ DTYPE_NAMES = {
     torch.float64: "float64",
 }
 
+# Where a fusion input or output lives: "cuda" (the GPU the op runs on) or "cpu" (host
+# memory, copied to and from the GPU slice by slice on the slices' streams).
+DEVICES = ("cuda", "cpu")
+
 
 @dataclasses.dataclass(eq=False)
 class TensorView:
@@ -215,6 +219,7 @@ class TensorView:
     logical: list[IterDomain]
     definition: Op | None = None
     loop: list[IterDomain] = dataclasses.field(default_factory=list)
+    device: str = "cuda"  # residency of an input or output (DEVICES); "cuda" otherwise
 
     def __post_init__(self) -> None:
         if not self.loop:
@@ -322,6 +327,8 @@ class TensorView:
         text = f"{self.name}: {DTYPE_NAMES[self.dtype]}{self.logical_str()}"
         if self.loop != self.logical:
             text += f" loop {self.loop_str()}"
+        if self.device != "cuda":
+            text += f" device={self.device}"
         return text
 
 
@@ -494,13 +501,29 @@ def _owned(fusion: Fusion, t: object, op: str, arg: str) -> TensorView:
     return t
 
 
+def _check_device(device: object, what: str) -> str:
+    """``device`` as a residency ("cuda" or "cpu"), or a ScheduleError naming ``what``."""
+    if isinstance(device, str) and device in DEVICES:
+        return device
+    hint = ""
+    if isinstance(device, (str, torch.device)) and str(device).startswith("cuda:"):
+        hint = " (the GPU is the one the inputs are on at run time; say \"cuda\")"
+    raise ScheduleError(
+        f"{what}: device must be \"cuda\" (GPU memory) or \"cpu\" (host memory, streamed "
+        f"through the GPU slice by slice), got {device!r}{hint}"
+    )
+
+
 def input(  # noqa: A001 - the public API name is fixed by DESIGN.md
     shape: Sequence[int | str | None], dtype: torch.dtype = torch.float32,
-    name: str | None = None,
+    name: str | None = None, device: str = "cuda",
 ) -> TensorView:
-    """A fusion input. Extents: int = fixed, str = named symbol, None = free."""
+    """A fusion input. Extents: int = fixed, str = named symbol, None = free.
+    ``device="cpu"`` declares it host-resident: the program copies what each slice reads
+    to the GPU on that slice's stream (``evaluate`` then needs a CPU tensor there)."""
     fusion = current_fusion("input")
     name = fusion._check_name(name or fusion._fresh_name())
+    device = _check_device(device, f"input {name}")
     if dtype not in DTYPE_NAMES:
         raise ScheduleError(
             f"input {name}: dtype {dtype} is not supported; use one of "
@@ -529,7 +552,7 @@ def input(  # noqa: A001 - the public API name is fixed by DESIGN.md
                 f"input {name}: extent {d} must be int, str or None, got {e!r}"
             )
         ids.append(IterDomain(extent))
-    t = TensorView(name, dtype, ids)
+    t = TensorView(name, dtype, ids, device=device)
     fusion.inputs.append(t)
     return t
 
@@ -605,14 +628,18 @@ def linear(x: TensorView, w: TensorView, bias: TensorView | None = None) -> Tens
     return _define(fusion, op, dtype)
 
 
-def output(t: TensorView) -> None:
-    """Marks ``t`` as an output of the fusion (the op returns outputs in this order)."""
+def output(t: TensorView, device: str = "cuda") -> None:
+    """Marks ``t`` as an output of the fusion (the op returns outputs in this order).
+    ``device="cpu"`` returns it in (pinned) host memory, copied back slice by slice on
+    the slices' streams; it is complete when the op returns."""
     fusion = current_fusion("output")
     t = _owned(fusion, t, "output", "t")
+    device = _check_device(device, f"output {t.name}")
     if t.definition is None:
         raise ScheduleError(
             f"output: {t.name} is a fusion input; outputs must be computed by an op"
         )
     if t in fusion.outputs:
         raise ScheduleError(f"output: {t.name} is already an output")
+    t.device = device
     fusion.outputs.append(t)

@@ -335,7 +335,9 @@ def _constraints(fusion: Fusion) -> list[hir.Constraint]:
 
 
 def _info(tv: TensorView) -> hir.TensorInfo:
-    return hir.TensorInfo(tv.name, tv.dtype, tuple(tv.shape))
+    """With the residency of an input or output; ``hir.stage_host_tensors`` moves host
+    tensors through the GPU."""
+    return hir.TensorInfo(tv.name, tv.dtype, tuple(tv.shape), tv.device)
 
 
 def build_host_program(
