@@ -1,6 +1,8 @@
 """Issue 13, the Python side: the evaluator's join on every exit (item 1), k = 0 (item 3),
 one input read with different splits (item 5), names (item 6). CPU, exact against torch."""
 
+import contextlib
+
 import pytest
 import torch
 from conftest import ints
@@ -84,6 +86,60 @@ def test_normal_exit_needs_no_extra_join(monkeypatch):
     log = seen[0].streams.log
     assert log[-4:] == [("wait", None, 0), ("wait", None, 1), ("set", None), ("exit",)]
     assert not seen[0].streams.pending
+
+
+class FakeCuda:
+    """torch.cuda's current-device and current-stream state, for the guard on the CPU:
+    set_stream makes the stream's device current, as torch.cuda.set_stream does."""
+
+    class Stream:
+        def __init__(self, name, index, waits):
+            self.name, self.device, self.waits = name, torch.device("cuda", index), waits
+
+        def wait_stream(self, other):
+            self.waits.append((self.name, other.name))
+
+    def __init__(self):
+        self.device, self.waits = 0, []
+        self.streams = {i: self.Stream(f"caller{i}", i, self.waits) for i in (0, 1)}
+
+    def install(self, monkeypatch):
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: self.device)
+        monkeypatch.setattr(torch.cuda, "set_device", self.set_device)
+        monkeypatch.setattr(torch.cuda, "current_stream",
+                            lambda device=None: self.streams[torch.device(device).index])
+        monkeypatch.setattr(torch.cuda, "set_stream", self.set_stream)
+        monkeypatch.setattr(evaluator, "_worker_stream",
+                            lambda device, k: self.Stream(f"worker{k}", device.index, self.waits))
+
+    def set_device(self, index):
+        self.device = index
+
+    def set_stream(self, stream):
+        self.device = stream.device.index
+        self.streams[self.device] = stream
+
+
+@pytest.mark.parametrize("fault", [False, True])
+def test_guard_restores_the_callers_device_and_stream(monkeypatch, fault):
+    """Item 9 on the CPU, with torch.cuda's state faked (tests/test_review_gpu.py has the
+    real one, on 2 GPUs): evaluating on cuda:1 while cuda:0 is current."""
+    cuda = FakeCuda()
+    cuda.install(monkeypatch)
+    caller1 = cuda.streams[1]
+    with pytest.raises(Fault) if fault else contextlib.nullcontext():
+        with evaluator._Streams(torch.device("cuda", 1)) as streams:
+            streams.set_current(0)
+            streams.set_current(1)
+            assert cuda.device == 1 and cuda.streams[1].name == "worker1"
+            if fault:
+                raise Fault("mid-loop")
+            streams.set_current(None)
+            streams.synchronize(0)
+            streams.synchronize(1)
+    assert cuda.device == 0
+    assert cuda.streams[1] is caller1 and cuda.streams[0].name == "caller0"
+    assert cuda.waits == [("caller1", "worker0"), ("caller1", "worker1")]
 
 
 def test_fault_hook_is_unset_by_default():
