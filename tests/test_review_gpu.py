@@ -12,7 +12,7 @@ from codegen import evaluator
 
 pytestmark = pytest.mark.gpu
 
-SLEEP_CYCLES = 200_000_000  # about 0.1 s at the H200's clock: far longer than queuing
+SLEEP_CYCLES = 1_000_000_000  # about 0.5 s at the H200's clock: far longer than queuing
 
 
 class Fault(Exception):
@@ -42,19 +42,25 @@ def fault_after_first_slice(monkeypatch, out_name):
 def test_fault_mid_loop_orders_the_callers_stream_after_the_workers(monkeypatch):
     program = cg.lower(stream_matmul_rows(slices=4))
     a, b = ints(64, 32, device="cuda"), ints(32, 16, device="cuda")
-    expect = a @ b
+    # Warm-up: cuBLAS set up on every worker, and every kernel used below loaded (with
+    # CUDA's lazy loading, the first launch of a kernel waits for the device to be idle).
+    (expect,) = cg.evaluate(program, [a, b])
+    assert torch.equal(expect, a @ b)
+    expect[:16].clone().fill_(float("nan"))
+    torch.cuda._sleep(1)
     caller = torch.cuda.current_stream()
     torch.cuda.synchronize()
     state = fault_after_first_slice(monkeypatch, "T2")
     with pytest.raises(Fault, match="fault in slice 1"):
         cg.evaluate(program, [a, b])
     assert torch.cuda.current_stream() == caller
+    rows = state["out"][:16].clone()  # on the caller's stream: after slice 0's GEMM if joined
     after = torch.cuda.Event()
     after.record(caller)
-    assert not after.query(), "the caller's stream does not wait for worker 0 (asleep)"
-    rows = state["out"][:16].clone()  # on the caller's stream: after slice 0's GEMM if joined
+    caller_waits = not after.query()  # worker 0 is still asleep
     torch.cuda.synchronize()
-    assert torch.equal(rows, expect[:16])
+    assert torch.equal(rows, expect[:16]), "the caller's stream read slice 0 before its GEMM"
+    assert caller_waits, "the caller's stream does not wait for worker 0"
 
 
 def test_fault_mid_loop_keeps_the_current_device_and_stream(monkeypatch):
