@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
+from . import distributed
 from . import hostir as hir
 from .errors import InternalError
 from .ir import DTYPE_NAMES
@@ -112,12 +113,13 @@ def program_device(program: hir.HostProgram, inputs: Sequence[torch.Tensor]) -> 
     return torch.device("cpu")
 
 
-class _Interpreter:
+class _Interpreter(distributed.CommunicationEvaluator):
     def __init__(self, program: hir.HostProgram, env: dict[str, int],
                  values: dict[str, torch.Tensor], device: torch.device) -> None:
         self.program, self.env, self.values, self.device = program, env, values, device
         self.cuda = device.type == "cuda"
         self.streams: dict[str, object] = {}
+        self.group: object | None = None  # the process group of Communication nodes
 
     def stream(self, ref: hir.StreamRef) -> torch.cuda.Stream:
         if isinstance(ref, str):
@@ -182,7 +184,12 @@ class _Interpreter:
 
     def Matmul(self, n: hir.Matmul) -> None:
         v = self.values
-        torch.matmul(v[n.a], v[n.b], out=v[n.out])
+        a, b, out = v[n.a], v[n.b], v[n.out]
+        if a.dim() == 3 and b.dim() == 2:
+            # torch.matmul(out=) folds 3-D x 2-D into one mm on out viewed 2-D, and fails
+            # when out's batch stride is not rows * columns (a strided batched view).
+            b = b.expand(a.shape[0], -1, -1)
+        torch.matmul(a, b, out=out)
 
     def Linear(self, n: hir.Linear) -> None:
         v = self.values
@@ -195,10 +202,11 @@ class _Interpreter:
             torch.baddbmm(v[n.bias], x, w.t().expand(x.shape[0], -1, -1), out=out)
 
 
-def evaluate(program: hir.HostProgram, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """Runs ``program`` on ``inputs`` (CPU or CUDA tensors); returns its outputs.
-    The program runs where ``program_device`` says; host (``device="cpu"``) outputs are
-    CPU tensors, pinned when it runs on CUDA, and complete when this returns."""
+def evaluate(program: hir.HostProgram, inputs: Sequence[torch.Tensor], *,
+             group: object | None = None) -> list[torch.Tensor]:
+    """Runs ``program`` on ``inputs`` (CPU or CUDA tensors); returns its outputs. A program
+    that communicates (see codegen.distributed) takes this rank's local blocks and runs
+    its collectives over ``group`` (default: torch.distributed's default group)."""
     if not isinstance(program, hir.HostProgram):
         raise TypeError(f"evaluate expects a cg.HostProgram (from cg.lower), "
                         f"got {type(program).__name__}")
@@ -206,6 +214,7 @@ def evaluate(program: hir.HostProgram, inputs: Sequence[torch.Tensor]) -> list[t
     device = program_device(program, inputs)
     values = {t.name: x for t, x in zip(program.inputs, inputs)}
     interp = _Interpreter(program, env, values, device)
+    interp.group = distributed.resolve_group(program, group)
     caller = torch.cuda.current_stream(device) if interp.cuda else None
     try:
         with torch.no_grad():
