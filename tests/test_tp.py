@@ -311,6 +311,22 @@ def test_reduce_scatter_fusion_of_the_user():
                                   "T1: float32[k_local, n]) -> (T2):"
 
 
+def test_reduction_axis_marked_didx_as_nvfuser_spells_it():
+    plain = cg.lower(matmul_reduce_scatter(torch.float32, 4, 2))
+    fusion = matmul_reduce_scatter(torch.float32, 4, 2)
+    out = fusion.outputs[0]
+    out.outer_split(-1, 2)
+    out.axis(-2).parallelize(DIDx)  # rk: [.., rDIDx{2}, r{k/2}]
+    assert str(cg.lower(fusion)) == str(plain)
+    fusion = _ag_fusion()
+    out = fusion.outputs[0]
+    out.outer_split(-1, 2)
+    out.axis(-2).parallelize(DIDx)
+    with pytest.raises(cg.ScheduleError, match="its reduction axis is DIDx but the operands' "
+                                               r"contraction \(T0 axis 1, T1 axis 0\) is not"):
+        cg.lower(fusion)
+
+
 def test_partial_sums_without_a_sharded_output_need_an_allreduce():
     with pytest.raises(cg.ScheduleError, match="needs an all-reduce, which is not implemented; "
                                                r"shard T2's rows for a reduce-scatter"):
