@@ -374,6 +374,10 @@ def analyze(fusion: Fusion) -> Plan:
     mesh = _mesh(fusion)
     op = _single_matmul(fusion)
     for tv in fusion.tensors:
+        if tv.device != "cuda":
+            raise ScheduleError(f"{tv.name} is device={tv.device!r}: host-resident tensors in a "
+                                "distributed fusion are not implemented")
+    for tv in fusion.tensors:
         _check_tensor(tv)
     operands = op.operands()
     layouts = {(n, a): _axis_layout(t, a, mesh)

@@ -381,6 +381,19 @@ def test_two_ops_in_a_distributed_fusion():
         cg.lower(fusion)
 
 
+def test_host_resident_tensors_in_a_distributed_fusion():
+    with cg.Fusion("host") as fusion:
+        x, w = cg.input(["m", "k"]), cg.input(["k", "n"], device="cpu")
+        out = cg.matmul(x, w)
+        cg.output(out)
+    x.set_device_mesh(cg.DeviceMesh(2))
+    x.outer_split(0, 2)
+    x.axis(0).parallelize(DIDx)
+    with pytest.raises(cg.ScheduleError, match="T1 is device='cpu': host-resident tensors in a "
+                                               "distributed fusion are not implemented"):
+        cg.lower(fusion)
+
+
 def test_two_didx_axes_on_one_tensor():
     fusion = _ag_fusion()
     x = fusion.inputs[0]
