@@ -690,7 +690,7 @@ def build_host_program(fusion: Fusion, pool_size: int) -> hir.HostProgram:
         views["out"] = partial
     else:
         views["out"] = out
-        for axis in range(2):
+        for axis in range(op.out.ndim):
             views["out"] = b.slice_of(views["out"], axis, lay[("out", axis)],
                                       local[("out", axis)])
     matmul = hir.Matmul(views["out"], views["a"], views["b"])
