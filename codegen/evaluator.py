@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from . import distributed
 from . import hostir as hir
 from .errors import InternalError
 from .ir import DTYPE_NAMES
@@ -177,7 +178,7 @@ class _Streams:
         self.log.append(("wait", self.current, key))
 
 
-class _Interpreter:
+class _Interpreter(distributed.CommunicationEvaluator):
     def __init__(self, program: hir.HostProgram, env: dict[str, int],
                  values: dict[str, torch.Tensor], streams: _Streams) -> None:
         self.program, self.env, self.values, self.streams = program, env, values, streams
@@ -186,6 +187,7 @@ class _Interpreter:
         # a loop index ("i") without one shadowing the other.
         self.indices: dict[str, int] = {}
         self.stream_names: dict[str, int | None] = {}  # values of GetCurrentStream
+        self.group: object | None = None  # the process group of Communication nodes
 
     def stream_key(self, ref: hir.StreamRef) -> int | None:
         if isinstance(ref, str):
@@ -258,8 +260,12 @@ class _Interpreter:
         a, b, out = v[n.a], v[n.b], v[n.out]
         if a.shape[-1] == 0:
             out.zero_()
-        else:
-            torch.matmul(a, b, out=out)
+            return
+        if a.dim() == 3 and b.dim() == 2:
+            # torch.matmul(out=) folds 3-D x 2-D into one mm on out viewed 2-D, and fails
+            # when out's batch stride is not rows * columns (a strided batched view).
+            b = b.expand(a.shape[0], -1, -1)
+        torch.matmul(a, b, out=out)
 
     def Linear(self, n: hir.Linear) -> None:
         v = self.values
@@ -276,10 +282,11 @@ class _Interpreter:
             torch.baddbmm(v[n.bias], x, w.t().expand(x.shape[0], -1, -1), out=out)
 
 
-def evaluate(program: hir.HostProgram, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """Runs ``program`` on ``inputs`` (CPU or CUDA tensors); returns its outputs.
-    The program runs where ``program_device`` says; host (``device="cpu"``) outputs are
-    CPU tensors, pinned when it runs on CUDA, and complete when this returns."""
+def evaluate(program: hir.HostProgram, inputs: Sequence[torch.Tensor], *,
+             group: object | None = None) -> list[torch.Tensor]:
+    """Runs ``program`` on ``inputs`` (CPU or CUDA tensors); returns its outputs. A program
+    that communicates (see codegen.distributed) takes this rank's local blocks and runs
+    its collectives over ``group`` (default: torch.distributed's default group)."""
     if not isinstance(program, hir.HostProgram):
         raise TypeError(f"evaluate expects a cg.HostProgram (from cg.lower), "
                         f"got {type(program).__name__}")
@@ -287,7 +294,9 @@ def evaluate(program: hir.HostProgram, inputs: Sequence[torch.Tensor]) -> list[t
     device = program_device(program, inputs)
     values = {t.name: x for t, x in zip(program.inputs, inputs)}
     with _Streams(device) as streams, torch.no_grad():
-        _Interpreter(program, env, values, streams).run(program.body)
+        interp = _Interpreter(program, env, values, streams)
+        interp.group = distributed.resolve_group(program, group)
+        interp.run(program.body)
     missing = [o for o in program.outputs if o not in values]
     if missing:
         raise InternalError(f"{program.name}: outputs {missing} were never computed")

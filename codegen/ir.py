@@ -131,6 +131,28 @@ class IterType(enum.Enum):
 class ParallelType(enum.Enum):
     Serial = "S"
     Stream = "Stream"
+    DIDx = "DIDx"  # across the ranks of the tensor's DeviceMesh (the argument is the local shard)
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceMesh:
+    """The ranks a tensor is spread over: ranks ``0 .. size-1`` of the process group the
+    program is called with (the default group unless one is given). A loop axis made by
+    ``outer_split(axis, size)`` and parallelized on ``ParallelType.DIDx`` is sharded: rank
+    r holds block r of that axis, and the op's argument is that local block."""
+
+    size: int
+
+    def __post_init__(self) -> None:
+        if isinstance(self.size, bool) or not isinstance(self.size, int) or self.size < 1:
+            raise ScheduleError(f"DeviceMesh: size must be an int >= 1, got {self.size!r}")
+
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        return tuple(range(self.size))
+
+    def __str__(self) -> str:
+        return f"DeviceMesh({self.size})"
 
 
 @dataclasses.dataclass(eq=False)
@@ -182,7 +204,7 @@ class IterDomain:
         return self
 
     def __str__(self) -> str:
-        tag = "Stream" if self.is_stream else ""
+        tag = "" if self.parallel_type is ParallelType.Serial else self.parallel_type.value
         return f"{self.iter_type.value}{tag}{{{self.extent}}}"
 
 
@@ -220,6 +242,7 @@ class TensorView:
     definition: Op | None = None
     loop: list[IterDomain] = dataclasses.field(default_factory=list)
     device: str = "cuda"  # residency of an input or output (DEVICES); "cuda" otherwise
+    mesh: DeviceMesh | None = None  # set by set_device_mesh; None: not distributed
 
     def __post_init__(self) -> None:
         if not self.loop:
@@ -238,6 +261,14 @@ class TensorView:
         return len(self.shape)
 
     # -- scheduling
+    def set_device_mesh(self, mesh: DeviceMesh) -> TensorView:
+        """Places this tensor on ``mesh`` (see codegen.distributed)."""
+        if not isinstance(mesh, DeviceMesh):
+            raise ScheduleError(f"{self.name}.set_device_mesh expects a cg.DeviceMesh, got "
+                                f"{mesh!r}")
+        self.mesh = mesh
+        return self
+
     def _loop_axis(self, axis: int, what: str) -> int:
         if isinstance(axis, bool) or not isinstance(axis, int):
             raise ScheduleError(f"{self.name}.{what}: axis must be an int, got {axis!r}")
@@ -329,6 +360,8 @@ class TensorView:
             text += f" loop {self.loop_str()}"
         if self.device != "cuda":
             text += f" device={self.device}"
+        if self.mesh is not None:
+            text += f" on {self.mesh}"
         return text
 
 
