@@ -39,6 +39,7 @@ from typing import Any
 
 import torch
 
+from . import collectives, distributed
 from . import hostir as hir
 from .evaluator import check_inputs
 from .render import NAMESPACE, include_dir, op_name, program_digest, render
@@ -312,14 +313,16 @@ def _register_python_parts(program: hir.HostProgram, qualname: str) -> None:
     whoever calls the op, and makes backward fail with a message instead of torch's
     generic one."""
     outputs = [program.allocations()[o] for o in program.outputs]
+    n_inputs = len(program.inputs)
 
-    def fake(*inputs: torch.Tensor) -> Any:
+    def fake(*args: Any) -> Any:
+        inputs = args[:n_inputs]  # a program with collectives also takes a group name
         env = check_inputs(program, inputs)
         outs = [inputs[0].new_empty([e.evaluate(env) for e in o.shape], dtype=o.dtype)
                 for o in outputs]
         return outs[0] if len(outs) == 1 else tuple(outs)
 
-    def backward(ctx: Any, *grads: torch.Tensor) -> Any:
+    def backward(ctx: Any, *grads: torch.Tensor) -> Any:  # noqa: ARG001
         raise RuntimeError(
             f"{program.name}: codegen ops have no backward yet; compute the op under "
             "torch.no_grad(), or with .detach()ed inputs, where gradients are not needed")
@@ -343,6 +346,7 @@ class CompiledOp:
         self._source = source
         self.name = f"{NAMESPACE}::{op_name}"
         self.op = getattr(getattr(torch.ops, NAMESPACE), op_name)
+        self._communicates = bool(distributed.communications(program))
 
     @property
     def source(self) -> str:
@@ -351,7 +355,15 @@ class CompiledOp:
             self._source = render(self.host_ir)
         return self._source
 
-    def __call__(self, *inputs: torch.Tensor) -> Any:
+    def __call__(self, *inputs: torch.Tensor, group: Any = None) -> Any:
+        """Runs the op; a program with collectives runs them over ``group`` (default:
+        torch.distributed's default group), resolved now."""
+        if self._communicates:
+            pg = distributed.resolve_group(self.host_ir, group)
+            return self.op(*inputs, pg.group_name)  # type: ignore[union-attr]
+        if group is not None:
+            raise TypeError(f"{self.host_ir.name}: group= is only for programs with "
+                            "collectives; this one has none")
         return self.op(*inputs)
 
     def __repr__(self) -> str:
@@ -365,6 +377,8 @@ def build(program: hir.HostProgram, source: str | None = None) -> CompiledOp:
     """Builds (or loads from cache) the op of ``program``; ``source`` defaults to
     ``render(program)``."""
     name = op_name(program)
+    if distributed.communications(program):
+        collectives.register()
     if source is None:  # the digest covers the program, the templates and the renderer
         library = build_library(name, lambda: render(program),
                                 key=f"rendered:{program_digest(program)}")

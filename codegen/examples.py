@@ -232,3 +232,28 @@ def example(name: str) -> Example:
     if name not in EXAMPLES:
         raise ValueError(f"unknown example {name!r}; choose one of {', '.join(EXAMPLES)}")
     return EXAMPLES[name]
+
+
+def allgather_matmul_2x4() -> Fusion:
+    """Tensor parallel, 2 ranks: all_gather(x_local) @ w_local, the all-gather sliced into
+    4 stream slices (slice i's collective runs under slice i-1's GEMM)."""
+    return allgather_matmul(torch.bfloat16, 4, 2, name="allgather_matmul_2x4")
+
+
+def matmul_reduce_scatter_2x4() -> Fusion:
+    """Tensor parallel, 2 ranks: reduce_scatter(x_local @ w_local), sliced into 4 stream
+    slices (slice i's reduce-scatter runs under slice i+1's GEMM)."""
+    return matmul_reduce_scatter(torch.bfloat16, 4, 2, name="matmul_reduce_scatter_2x4")
+
+
+# Examples whose C++ is checked in under csrc_gen/ but which need a process group to run
+# (tests/test_tp*.py run them); not in EXAMPLES, whose entries run on one device.
+DISTRIBUTED_EXAMPLES: dict[str, Example] = {
+    e.name: e
+    for e in (
+        Example("allgather_matmul_2x4", allgather_matmul_2x4.__doc__ or "",
+                allgather_matmul_2x4, ((16, 32), (32, 24))),
+        Example("matmul_reduce_scatter_2x4", matmul_reduce_scatter_2x4.__doc__ or "",
+                matmul_reduce_scatter_2x4, ((16, 32), (32, 24))),
+    )
+}

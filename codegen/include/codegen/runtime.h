@@ -6,12 +6,14 @@
 //   stream.h     the caller's stream, leased worker streams, fork/join events
 //   math_mode.h  torch's matmul precision flags
 //   gemm.h       the program's GEMMs (cuBLAS fallback), gemm_plan.h its cuBLASLt plans
+//   collective.h all-gather and reduce-scatter of a slice through torch.distributed
 #pragma once
 
 #include <torch/csrc/stable/accelerator.h>
 #include <torch/csrc/stable/library.h>
 
 #include "codegen/check.h"
+#include "codegen/collective.h"
 #include "codegen/gemm.h"
 #include "codegen/math_mode.h"
 #include "codegen/stream.h"
