@@ -177,6 +177,8 @@ def select_cases(cases: Sequence[Case], spec: str) -> list[Case]:
 
 
 def program_name(kind: str, dtype: str, slices: int) -> str:
+    if kind not in KINDS:
+        raise ValueError(f"kind {kind!r}: expected one of {', '.join(KINDS)}")
     tag = {"matmul": "mm", "linear+bias": "linb"}[kind]
     return f"bench_{tag}_{dtype.split('/')[0]}_s{slices}"
 
@@ -201,9 +203,7 @@ def make_fusion(kind: str, dtype: str, slices: int) -> cg.Fusion:
     name = program_name(kind, dtype, slices)
     if kind == "matmul":
         return examples.matmul_rows(DTYPES[dtype], slices, name)
-    if kind == "linear+bias":
-        return linear_rows(DTYPES[dtype], slices, name)
-    raise ValueError(f"kind {kind!r}: expected one of {', '.join(KINDS)}")
+    return linear_rows(DTYPES[dtype], slices, name)
 
 
 Spec = tuple[str, str, int]  # kind, dtype, slices
