@@ -157,6 +157,9 @@ def test_summarize_row_fields_and_values():
     assert row["gemm_ms"] == pytest.approx(1.04)
     assert row["op_host_us"] == host["op/s4"] and row["gemm_host_us"] == host["gemm"]
     assert row["graph_host_us"] == host["graph/s4"]
+    assert row["op_host_us_per_extra_slice"] == pytest.approx(
+        (host["op/s4"] - host["op/s1"]) / 3)
+    assert bm.summarize(case, 1, times, host, errors, reps)["op_host_us_per_extra_slice"] is None
     assert row["rounds"] == 5
     assert row["reps"] == {"gemm": 7, "loop": 7, "op": 7, "graph": 7}
     assert row["op_tflops"] == pytest.approx(2 * 64 * 32 * 16 / (1.1 * 1.04) / 1e9)
