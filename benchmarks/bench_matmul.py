@@ -13,19 +13,21 @@ Variants of a case: "gemm" (one torch.matmul; F.linear for linear+bias) and per 
 Method. The H200 power-caps within about a second of sustained GEMMs and then drifts by a
 few percent from block to block, so whatever is timed first wins by up to 13%
 (ENVIRONMENT.md). Per case:
-1. host µs per call of every variant: 10 back-to-back Python calls, wall time until the
-   last returns, while a sleep kernel queued ahead keeps the GPU busy (so launches are only
-   queued, never waited for); the median of 5 such blocks (`*_host_us`);
-2. a warm-up of at least --warmup-s seconds of the case's GEMM;
-3. --rounds rounds; each round times every variant once, in an order rotated by one each
+1. a warm-up of at least --warmup-s seconds of the case's GEMM;
+2. --rounds rounds; each round times every variant once, in an order rotated by one each
    round; a variant's block is one untimed lead-in call, then `reps` calls between two CUDA
    events, the device synchronized before the block; `reps` is chosen per variant from a
    short estimate so that a block lasts about --block-ms;
-4. per variant, `*_ms` is the median of its per-round times; each ratio is the MEDIAN OF
+3. per variant, `*_ms` is the median of its per-round times; each ratio is the MEDIAN OF
    THE PER-ROUND RATIOS (both terms timed in the same round), with `*_iqr` [q1, q3] and
-   `*_range` [min, max] of those ratios.
+   `*_range` [min, max] of those ratios;
+4. then host µs per call of every variant (`*_host_us`; `gemm_host_us` is one
+   torch.matmul's): 10 back-to-back Python calls, wall time until the last returns, while
+   a sleep kernel queued ahead keeps the GPU busy (launches are only queued, never waited
+   for); the median of 7 such blocks. Measured after the rounds, with the host warm: on a
+   cold process the same calls took twice as long.
 `meta.launch_floor_us`: host µs of one cublasLtMatmul launch with cached descriptors and
-algorithm, from a C++ loop (launch_floor.py), measured in the same run.
+algorithm, from a C++ loop (launch_floor.py), measured in the same run, after the cases.
 Programs are built before timing, in parallel subprocesses sharing CODEGEN_CACHE_DIR.
 Writes results.json, table.txt and speed.png to --out (default benchmarks/results).
 """
@@ -82,7 +84,7 @@ ROW_FIELDS = (
 )
 HOST_US_METHOD = ("wall time of 10 back-to-back Python calls until the last returns, the GPU "
                   "kept busy by a sleep kernel queued ahead (launches never wait); median of "
-                  "5 blocks")
+                  "7 blocks; measured after the case's rounds (host warm)")
 TIMING_METHOD = ("interleaved: per case, warm-up >= warmup_s of GEMMs, then `rounds` rounds, "
                  "each timing every variant once in an order rotated by one per round; a "
                  "block = 1 untimed lead-in call + reps calls between CUDA events, device "
@@ -127,7 +129,7 @@ QUICK_SLICES = (1, 4)
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-    rounds: int = 60
+    rounds: int = 80
     block_ms: float = 15.0
     min_reps: int = 3
     max_reps: int = 200
@@ -323,7 +325,6 @@ def run_case(case: Case, slices: Sequence[int], ops: dict[Spec, cg.CompiledOp],
     if bad:
         log(f"WARNING {case.label}: relative error against fp32 above 2e-2: {bad}")
     del ref
-    host = {v: gpu_timing.host_us(fn) for v, fn in variants.items()}
     reps = {v: reps_for(gpu_timing.estimate_ms(fn), cfg.block_ms, cfg.min_reps, cfg.max_reps)
             for v, fn in variants.items()}
     gpu_timing.warm_up(gemm, cfg.warmup_s)
@@ -337,6 +338,9 @@ def run_case(case: Case, slices: Sequence[int], ops: dict[Spec, cg.CompiledOp],
         torch.cuda.synchronize()
         for v in names:
             times[v].append(blocks[v].ms())
+    # Host times last: the host's own cost per call dropped by half (matmul 37 -> 15 us)
+    # once the process had been launching work for a few seconds (CPU clocks, caches).
+    host = {v: gpu_timing.host_us(fn) for v, fn in variants.items()}
     del keep
     return [summarize(case, s, times, host, errors, reps) for s in slices]
 
@@ -412,10 +416,10 @@ def plot(rows: Sequence[dict[str, Any]], path: Path) -> bool:
 
 def estimate_s(cases: Sequence[Case], slices: Sequence[int], cfg: Config) -> float:
     """A rough GPU-side duration of the timed part (builds and start-up not included):
-    per case the warm-up, host timing (about 0.2 s per variant) and the rounds (about
+    per case the warm-up, host timing (about 0.3 s per variant) and the rounds (about
     1.3 blocks per variant and round, lead-in calls and synchronization included)."""
     variants = 1 + 3 * len(slices)
-    per_case = cfg.warmup_s + 0.2 * variants + cfg.rounds * variants * cfg.block_ms * 1.3e-3
+    per_case = cfg.warmup_s + 0.3 * variants + cfg.rounds * variants * cfg.block_ms * 1.3e-3
     return len(cases) * per_case
 
 
@@ -506,12 +510,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     ops = {spec: cg.compile(make_fusion(*spec)) for spec in specs}
     build_s = time.perf_counter() - start
     print(f"built and loaded {len(ops)} programs and the probe in {build_s:.1f} s", flush=True)
-    if args.no_floor:
-        floor = {"launch_floor_us": None, "launch_floor_skipped": "--no-floor"}
-    elif not floor:
-        floor = launch_floor.measure()
-        print(f"launch floor: {floor['launch_floor_us']:.2f} us per cublasLtMatmul launch",
-              flush=True)
     rows: list[dict[str, Any]] = []
     tf32 = torch.backends.cuda.matmul.allow_tf32
     for case in cases:
@@ -523,6 +521,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             torch.backends.cuda.matmul.allow_tf32 = tf32
         torch.cuda.empty_cache()
         print(f"{case.label}: {time.perf_counter() - t:.1f} s", flush=True)
+    if args.no_floor:
+        floor = {"launch_floor_us": None, "launch_floor_skipped": "--no-floor"}
+    elif not floor:
+        floor = launch_floor.measure()
+        print(f"launch floor: {floor['launch_floor_us']:.2f} us per cublasLtMatmul launch",
+              flush=True)
     command = "PYTHONPATH=. python3 benchmarks/bench_matmul.py" + "".join(
         f" {a}" for a in (argv if argv is not None else sys.argv[1:]))
     meta = {

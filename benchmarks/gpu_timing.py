@@ -44,7 +44,7 @@ def gpu_busy(ms: float) -> Iterator[Busy]:
         torch.cuda.synchronize()
 
 
-def host_us(fn: Callable[[], Any], calls: int = 10, blocks: int = 5,
+def host_us(fn: Callable[[], Any], calls: int = 10, blocks: int = 7,
             busy_ms: float = 25.0) -> float:
     """Host microseconds per call of ``fn``: the median over ``blocks`` of the wall time of
     ``calls`` back-to-back Python calls (until each returns), each block run while a sleep
