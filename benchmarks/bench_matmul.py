@@ -21,11 +21,11 @@ few percent from block to block, so whatever is timed first wins by up to 13%
 3. per variant, `*_ms` is the median of its per-round times; each ratio is the MEDIAN OF
    THE PER-ROUND RATIOS (both terms timed in the same round), with `*_iqr` [q1, q3] and
    `*_range` [min, max] of those ratios;
-4. then host µs per call of every variant (`*_host_us`; `gemm_host_us` is one
-   torch.matmul's): 10 back-to-back Python calls, wall time until the last returns, while
-   a sleep kernel queued ahead keeps the GPU busy (launches are only queued, never waited
-   for); the median of 7 such blocks. Measured after the rounds, with the host warm: on a
-   cold process the same calls took twice as long.
+4. host µs per call of every variant (`*_host_us`; `gemm_host_us` is one torch.matmul's):
+   10 back-to-back Python calls, wall time until the last returns, while a sleep kernel
+   queued ahead keeps the GPU busy (launches are only queued, never waited for); a sample
+   after every (rounds / 10)-th round, the median of the samples. Spread over the run
+   because the host's speed drifts: one torch.matmul took 15 to 37 µs within one process.
 `meta.launch_floor_us`: host µs of one cublasLtMatmul launch with cached descriptors and
 algorithm, from a C++ loop (launch_floor.py), measured in the same run, after the cases.
 Programs are built before timing, in parallel subprocesses sharing CODEGEN_CACHE_DIR.
@@ -58,7 +58,14 @@ for _p in (str(REPO), str(BENCH)):
 
 import gpu_timing  # noqa: E402
 import launch_floor  # noqa: E402
-from interleave import parse_ints, parse_shape, ratio_fields, reps_for, rotated  # noqa: E402
+from interleave import (  # noqa: E402
+    parse_ints,
+    parse_shape,
+    ratio_fields,
+    reps_for,
+    rotated,
+    spread,
+)
 from python_loop import PythonStreamLinear, PythonStreamLoop  # noqa: E402
 
 import codegen as cg  # noqa: E402
@@ -81,10 +88,11 @@ ROW_FIELDS = (
     "graph_ratio", "graph_ratio_iqr", "graph_ratio_range",
     "op_loop_ratio", "op_loop_ratio_iqr", "op_loop_ratio_range",
     "op_rel_err", "graph_rel_err", "loop_rel_err", "rounds", "reps",
+    "op_host_us_iqr", "gemm_host_us_iqr", "host_samples", "op_host_us_per_extra_slice",
 )
 HOST_US_METHOD = ("wall time of 10 back-to-back Python calls until the last returns, the GPU "
-                  "kept busy by a sleep kernel queued ahead (launches never wait); median of "
-                  "7 blocks; measured after the case's rounds (host warm)")
+                  "kept busy by a sleep kernel queued ahead (launches never wait); one "
+                  "sample per variant after every (rounds / host_samples)-th round; median")
 TIMING_METHOD = ("interleaved: per case, warm-up >= warmup_s of GEMMs, then `rounds` rounds, "
                  "each timing every variant once in an order rotated by one per round; a "
                  "block = 1 untimed lead-in call + reps calls between CUDA events, device "
@@ -134,9 +142,10 @@ class Config:
     min_reps: int = 3
     max_reps: int = 200
     warmup_s: float = 1.0
+    host_samples: int = 10  # host-time samples per variant, spread over the rounds
 
 
-QUICK_CONFIG = Config(rounds=8, block_ms=5.0)
+QUICK_CONFIG = Config(rounds=8, block_ms=5.0, host_samples=4)
 
 
 # ---------------------------------------------------------------------------- selection
@@ -266,11 +275,13 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def summarize(case: Case, slices: int, times: dict[str, list[float]],
-              host: dict[str, float], errors: dict[str, float],
+              host_samples: dict[str, list[float]], errors: dict[str, float],
               reps: dict[str, int]) -> dict[str, Any]:
     """The results.json row of (case, S) from per-round times (ms, one list per variant,
-    index = round), host µs per call and errors against the fp32 reference."""
+    index = round), host µs samples per call and errors against the fp32 reference."""
     med = statistics.median
+    host = {v: med(samples) for v, samples in host_samples.items()}
+    op_host, gemm_host = (spread(host_samples[v]) for v in (f"op/s{slices}", "gemm"))
     g, lp, op, gr = (times[v] for v in ("gemm", f"loop/s{slices}", f"op/s{slices}",
                                          f"graph/s{slices}"))
     row: dict[str, Any] = {
@@ -280,6 +291,9 @@ def summarize(case: Case, slices: int, times: dict[str, list[float]],
         "kind": case.kind, "graph_ms": med(gr),
         "gemm_host_us": host["gemm"], "loop_host_us": host[f"loop/s{slices}"],
         "graph_host_us": host[f"graph/s{slices}"],
+        "op_host_us_iqr": [op_host["q1"], op_host["q3"]],
+        "gemm_host_us_iqr": [gemm_host["q1"], gemm_host["q3"]],
+        "host_samples": len(host_samples["gemm"]),
         "gemm_tflops": case.flops / med(g) / 1e9, "op_tflops": case.flops / med(op) / 1e9,
         **ratio_fields("loop_ratio", lp, g),
         **ratio_fields("op_ratio", op, g),
@@ -331,6 +345,11 @@ def run_case(case: Case, slices: Sequence[int], ops: dict[Spec, cg.CompiledOp],
     blocks = {v: gpu_timing.Block(fn, reps[v]) for v, fn in variants.items()}
     names = list(variants)
     times: dict[str, list[float]] = {v: [] for v in names}
+    # Host samples are spread over the rounds too: on the H200 machine one torch.matmul's
+    # host time moved between 15 and 37 us within one process (cold start, CPU clocks,
+    # neighbours), so a burst measured at one moment misleads.
+    host_samples: dict[str, list[float]] = {v: [] for v in names}
+    every = max(1, cfg.rounds // cfg.host_samples)
     for r in range(cfg.rounds):
         for v in rotated(names, r):
             torch.cuda.synchronize()
@@ -338,11 +357,11 @@ def run_case(case: Case, slices: Sequence[int], ops: dict[Spec, cg.CompiledOp],
         torch.cuda.synchronize()
         for v in names:
             times[v].append(blocks[v].ms())
-    # Host times last: the host's own cost per call dropped by half (matmul 37 -> 15 us)
-    # once the process had been launching work for a few seconds (CPU clocks, caches).
-    host = {v: gpu_timing.host_us(fn) for v, fn in variants.items()}
+        if r % every == every - 1:
+            for v in rotated(names, r):
+                host_samples[v].append(gpu_timing.host_sample(variants[v]))
     del keep
-    return [summarize(case, s, times, host, errors, reps) for s in slices]
+    return [summarize(case, s, times, host_samples, errors, reps) for s in slices]
 
 
 # ---------------------------------------------------------------------------- output
@@ -474,7 +493,8 @@ def resolve(args: argparse.Namespace) -> tuple[list[Case], tuple[int, ...], Conf
     slices = parse_ints(args.slices, "--slices") if args.slices else (
         QUICK_SLICES if args.quick else SLICES)
     cfg = Config(rounds=args.rounds or base.rounds, block_ms=args.block_ms or base.block_ms,
-                 min_reps=args.min_reps, max_reps=args.max_reps, warmup_s=args.warmup_s)
+                 min_reps=args.min_reps, max_reps=args.max_reps, warmup_s=args.warmup_s,
+                 host_samples=base.host_samples)
     if cfg.rounds < 1:
         raise ValueError(f"--rounds must be >= 1, got {cfg.rounds}")
     reps_for(1.0, cfg.block_ms, cfg.min_reps, cfg.max_reps)  # validates the reps range

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import statistics
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -44,28 +43,22 @@ def gpu_busy(ms: float) -> Iterator[Busy]:
         torch.cuda.synchronize()
 
 
-def host_us(fn: Callable[[], Any], calls: int = 10, blocks: int = 7,
-            busy_ms: float = 25.0) -> float:
-    """Host microseconds per call of ``fn``: the median over ``blocks`` of the wall time of
-    ``calls`` back-to-back Python calls (until each returns), each block run while a sleep
-    kernel queued ahead keeps the GPU busy, so the launches are queued and never waited for.
-    A block whose sleep ran out is repeated with a sleep twice as long (twice at most)."""
-    fn()
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(blocks):
-        sleep = busy_ms
-        for _attempt in range(3):
-            with gpu_busy(sleep) as busy:
-                start = time.perf_counter()
-                for _ in range(calls):
-                    fn()
-                elapsed = time.perf_counter() - start
-            if not busy.drained:
-                break
-            sleep *= 2
-        samples.append(elapsed / calls * 1e6)
-    return statistics.median(samples)
+def host_sample(fn: Callable[[], Any], calls: int = 10, busy_ms: float = 15.0) -> float:
+    """Host microseconds per call of ``fn``: the wall time of ``calls`` back-to-back Python
+    calls (until the last returns) while a sleep kernel queued ahead keeps the GPU busy, so
+    the launches are only queued, never waited for. If the sleep ran out before the calls
+    were done, the sample is taken again with a sleep twice as long (twice at most)."""
+    sleep = busy_ms
+    for _attempt in range(3):
+        with gpu_busy(sleep) as busy:
+            start = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            elapsed = time.perf_counter() - start
+        if not busy.drained:
+            break
+        sleep *= 2
+    return elapsed / calls * 1e6
 
 
 def warm_up(fn: Callable[[], Any], seconds: float, batch: int = 10) -> int:

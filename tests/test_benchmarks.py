@@ -142,9 +142,10 @@ def test_summarize_row_fields_and_values():
     times = fake_rounds([1, 4])
     variants = list(times)
     host = {v: 10.0 + i for i, v in enumerate(variants)}
+    host_samples = {v: [h + 5.0, h - 1.0, h, h + 0.5, h - 0.5] for v, h in host.items()}
     errors = {v: 1e-3 for v in variants if v != "gemm"}
     reps = {v: 7 for v in variants}
-    row = bm.summarize(case, 4, times, host, errors, reps)
+    row = bm.summarize(case, 4, times, host_samples, errors, reps)
     assert set(bm.ROW_FIELDS) <= set(row)
     for old in ("shape", "dtype", "slices", "gemm_ms", "loop_ms", "op_ms", "op_host_us"):
         assert old in row
@@ -157,9 +158,12 @@ def test_summarize_row_fields_and_values():
     assert row["gemm_ms"] == pytest.approx(1.04)
     assert row["op_host_us"] == host["op/s4"] and row["gemm_host_us"] == host["gemm"]
     assert row["graph_host_us"] == host["graph/s4"]
+    assert row["op_host_us_iqr"] == [host["op/s4"] - 0.5, host["op/s4"] + 0.5]
+    assert row["host_samples"] == 5
     assert row["op_host_us_per_extra_slice"] == pytest.approx(
         (host["op/s4"] - host["op/s1"]) / 3)
-    assert bm.summarize(case, 1, times, host, errors, reps)["op_host_us_per_extra_slice"] is None
+    assert bm.summarize(case, 1, times, host_samples, errors,
+                        reps)["op_host_us_per_extra_slice"] is None
     assert row["rounds"] == 5
     assert row["reps"] == {"gemm": 7, "loop": 7, "op": 7, "graph": 7}
     assert row["op_tflops"] == pytest.approx(2 * 64 * 32 * 16 / (1.1 * 1.04) / 1e9)
