@@ -137,7 +137,7 @@ QUICK_SLICES = (1, 4)
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-    rounds: int = 80
+    rounds: int = 100
     block_ms: float = 15.0
     min_reps: int = 3
     max_reps: int = 200
