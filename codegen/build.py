@@ -101,12 +101,22 @@ class Toolchain:
     ldflags: tuple[str, ...]
 
     def tag(self) -> str:
-        """What a build's cache key must include besides the source."""
-        return f"{self.cxx}|{self.cflags}|{self.ldflags}"
+        """What a build's cache key must include besides the source (not the linker,
+        which does not change the library's meaning)."""
+        return f"{self.cxx}|{self.cflags}|{tuple(f for f in self.ldflags if f != GOLD)}"
+
+
+GOLD = "-fuse-ld=gold"
+_gold_failed = threading.Event()
+
+
+def toolchain() -> Toolchain:
+    """The toolchain of this machine (gold unless it failed here)."""
+    return _toolchain(not _gold_failed.is_set())
 
 
 @functools.cache
-def toolchain() -> Toolchain:
+def _toolchain(gold: bool) -> Toolchain:
     """Flags for a host-only translation unit against torch's stable ABI, on this machine
     (no GPU needed: only the CUDA runtime's and cuBLAS's headers)."""
     home = _cuda_home()
@@ -123,7 +133,7 @@ def toolchain() -> Toolchain:
     cuda_lib = next((str(Path(home) / d) for d in ("lib64", "lib")
                      if (Path(home) / d).is_dir()), str(Path(home) / "lib64"))
     # gold links against libtorch's large symbol tables in half the time of GNU ld.
-    linker = ("-fuse-ld=gold",) if shutil.which("ld.gold") else ()
+    linker = (GOLD,) if gold and shutil.which("ld.gold") else ()
     ldflags = ("-shared", *linker, f"-L{torch_dir / 'lib'}", "-lc10", "-ltorch_cpu",
                "-ltorch_cuda", "-ltorch", f"-L{cuda_lib}", "-lcudart",
                f"-Wl,-rpath,{torch_dir / 'lib'}")
@@ -254,8 +264,17 @@ def _compile(entry: _Entry, source: str, key: str) -> float:
     entry.source.write_text(source)
     includes = [*([f"-I{pch}", "-Winvalid-pch"] if pch else []), f"-I{include_dir()}"]
     partial = entry.library.with_suffix(".so.partial")
-    _run([tools.cxx, *tools.cflags, *includes, str(entry.source), "-o", str(partial),
-          *tools.ldflags], entry.folder / "build.log", entry.name)
+    command = [tools.cxx, *tools.cflags, *includes, str(entry.source), "-o", str(partial)]
+    try:
+        _run([*command, *tools.ldflags], entry.folder / "build.log", entry.name)
+    except BuildError:
+        if GOLD not in tools.ldflags:
+            raise
+        # gold is faster but cannot read some toolchains' libstdc++ linker scripts (seen
+        # with a GCC in /opt/gcc): link with the default linker from now on.
+        _gold_failed.set()
+        tools = toolchain()
+        _run([*command, *tools.ldflags], entry.folder / "build.log", entry.name)
     partial.replace(entry.library)
     entry.stamp.write_text(f"{key} {_digest(entry.library.read_bytes())}\n")
     return time.perf_counter() - start

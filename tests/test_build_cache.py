@@ -71,3 +71,27 @@ def test_precompiled_runtime_killed_midway_is_rebuilt(tmp_path):
     assert "shape [9, 30]" in out and "without a precompiled runtime" not in err
     assert list(tmp_path.glob("runtime-pch-*/ok"))
     assert list(tmp_path.glob("runtime-pch-*/codegen/*.gch"))
+
+
+def test_a_linker_that_fails_falls_back_to_the_default_one(tmp_path, monkeypatch):
+    # The H200 image's GCC in /opt/gcc has a libstdc++ linker script gold cannot read.
+    import importlib
+
+    from codegen.examples import matmul_rows
+
+    build = importlib.import_module("codegen.build")  # cg.build is the function
+
+    monkeypatch.setenv("CODEGEN_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(build, "GOLD", "-fuse-ld=no-such-linker")
+    monkeypatch.setattr(build.shutil, "which", lambda name: "/usr/bin/" + name)
+    monkeypatch.setattr(build, "_gold_failed", build.threading.Event())
+    build._toolchain.cache_clear()
+    try:
+        assert "-fuse-ld=no-such-linker" in build.toolchain().ldflags
+        import codegen as cg
+
+        op = cg.compile(matmul_rows(slices=3, name="gold_fallback"))
+        assert op.library.is_file() and build._gold_failed.is_set()
+        assert "-fuse-ld=no-such-linker" not in build.toolchain().ldflags
+    finally:
+        build._toolchain.cache_clear()
