@@ -294,3 +294,24 @@ def test_bench_build_help_and_dry_run():
     assert done.returncode == 0, done.stderr
     assert "first program" in done.stdout and "cold build" in done.stdout
     assert "warm load" in done.stdout
+
+
+def test_overlap_cases_cover_s_1_d_2d_4d_and_local_shapes():
+    import bench_overlap as bo
+
+    cases = bo.cases(2, (8192, 1024), 8192, 28672, None)
+    assert {c["slices"] for c in cases} == {1, 2, 4, 8}
+    assert {c["pattern"] for c in cases} == set(bo.PATTERNS)
+    ag = next(c for c in cases if c["pattern"] == "allgather_matmul" and c["shape"][0] == 8192)
+    rs = next(c for c in cases if c["pattern"] == "matmul_reduce_scatter")
+    assert bo.local_shapes(ag) == ((4096, 8192), (8192, 14336))
+    assert bo.local_shapes(rs) == ((rs["shape"][0], 4096), (4096, 28672))
+    # every rank's block splits evenly into the slices
+    assert all(c["shape"][0] % (c["world_size"] * c["slices"]) == 0 for c in cases)
+
+
+def test_overlap_dry_run_needs_no_gpu():
+    out = subprocess.run([sys.executable, str(BENCH / "bench_overlap.py"), "--dry-run",
+                          "--world-size", "4"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "allgather_matmul 4 [8192, 8192, 28672] 16" in out.stdout
