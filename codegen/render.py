@@ -52,7 +52,9 @@ _RESERVED = frozenset("""
     typedef typeid typename union unsigned using virtual void volatile wchar_t while xor
     xor_eq NULL EOF assert errno stdin stdout stderr int8_t int16_t int32_t int64_t
     uint8_t uint16_t uint32_t uint64_t size_t CG_CHECK TORCH_BOX
-""".split())
+    False None True as async await def del elif except finally from global import in is
+    lambda nonlocal pass raise with yield print Tensor str Any List Optional Scalar Device
+""".split())  # the last two lines: words torch's schema parser refuses as argument names
 
 # The op argument that names the process group of a program's collectives; torch names
 # the default group "0".
@@ -326,7 +328,8 @@ def prepare(program: hir.HostProgram) -> dict[str, Any]:
         "signature": program.signature().removesuffix(":"),
         "params": ", ".join([f"torch::stable::Tensor {names(t.name)}_arg"
                              for t in program.inputs] + group_param),
-        "schema_args": ", ".join([f"Tensor {t.name}" for t in program.inputs] + group_schema),
+        "schema_args": ", ".join([f"Tensor {names(t.name)}" for t in program.inputs]
+                                 + group_schema),
         "schema_returns": "Tensor" if len(outs) == 1 else f"({', '.join(['Tensor'] * len(outs))})",
         "return_type": "torch::stable::Tensor" if len(outs) == 1
         else f"std::tuple<{', '.join(['torch::stable::Tensor'] * len(outs))}>",
@@ -342,4 +345,11 @@ def prepare(program: hir.HostProgram) -> dict[str, Any]:
 
 def render(program: hir.HostProgram) -> str:
     """The C++ translation unit of ``program`` (deterministic)."""
-    return _environment().get_template("program.cpp.j2").render(**prepare(program))
+    data = prepare(program)
+    schema = f"{data['op_name']}({data['schema_args']}) -> {data['schema_returns']}"
+    try:  # a schema torch refuses would abort the process when the library loads
+        torch._C.parse_schema(schema)
+    except RuntimeError as e:
+        raise InternalError(f"{program.name}: the op schema {schema!r} does not parse: "
+                            f"{e}") from None
+    return _environment().get_template("program.cpp.j2").render(**data)
