@@ -29,6 +29,8 @@ from typing import Any
 import torch
 from gpu_timing import gpu_busy
 
+from codegen.build import cuda_home
+
 SOURCE = Path(__file__).resolve().with_name("launch_floor.cpp")
 NAME = "bench_launch_floor"
 CFLAGS = ("-O2", "-DNDEBUG")
@@ -36,21 +38,6 @@ CFLAGS = ("-O2", "-DNDEBUG")
 
 class ProbeUnavailable(RuntimeError):
     """The probe cannot be built or run here; the message says what is missing."""
-
-
-def cuda_home() -> str | None:
-    """A CUDA toolkit with runtime headers: $CUDA_HOME, $CUDA_PATH, /usr/local/cuda, or
-    the folder above the real nvcc (/usr/local/bin/nvcc may be a wrapper)."""
-    from shutil import which
-
-    candidates = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"]
-    nvcc = which("nvcc")
-    if nvcc:
-        candidates.append(str(Path(os.path.realpath(nvcc)).parent.parent))
-    for c in candidates:
-        if c and (Path(c) / "include" / "cuda_runtime_api.h").is_file():
-            return c
-    return None
 
 
 def _wheel_nvidia_dirs() -> list[Path]:

@@ -68,7 +68,7 @@ def cache_root() -> Path:
 # ---------------------------------------------------------------------------- toolchain
 
 
-def _cuda_home() -> str | None:
+def cuda_home() -> str | None:
     """A CUDA toolkit with headers: $CUDA_HOME if it has them, else /usr/local/cuda, else
     the folder above the real nvcc (a wrapper in /usr/local/bin misleads torch)."""
     candidates = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"]
@@ -119,7 +119,7 @@ def toolchain() -> Toolchain:
 def _toolchain(gold: bool) -> Toolchain:
     """Flags for a host-only translation unit against torch's stable ABI, on this machine
     (no GPU needed: only the CUDA runtime's and cuBLAS's headers)."""
-    home = _cuda_home()
+    home = cuda_home()
     if home is None:
         raise BuildError("codegen: no CUDA toolkit with headers found (looked at $CUDA_HOME, "
                          "/usr/local/cuda and next to nvcc); set CUDA_HOME")

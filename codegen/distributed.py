@@ -74,6 +74,7 @@ from collections.abc import Sequence
 import torch
 
 from . import hostir as hir
+from . import passes
 from .errors import InternalError, ScheduleError
 from .ir import (
     DTYPE_NAMES,
@@ -237,14 +238,7 @@ def _all_ids(tv: TensorView) -> list[IterDomain]:
 
 def _children(tv: TensorView) -> dict[int, Split]:
     """Splits of ``tv``'s schedule keyed by the id of the IterDomain they split."""
-    found: dict[int, Split] = {}
-    todo = list(tv.loop)
-    while todo:
-        i = todo.pop()
-        if i.definition is not None and id(i.definition.input) not in found:
-            found[id(i.definition.input)] = i.definition
-            todo.append(i.definition.input)
-    return found
+    return {id(s.input): s for s in passes.splits(tv)}
 
 
 def _mesh(fusion: Fusion) -> DeviceMesh:

@@ -50,7 +50,7 @@ class StreamSplit:
         return f"axis {self.axis} [{splits}]"
 
 
-def _splits(tv: TensorView) -> list[Split]:
+def splits(tv: TensorView) -> list[Split]:
     """Every split of ``tv``'s schedule, found from the loop domain up."""
     found: dict[int, Split] = {}  # keyed by the split input's id
     todo = list(tv.loop)
@@ -136,7 +136,7 @@ def validate_schedule(fusion: Fusion) -> Fusion:
         )
     for tv in fusion.tensors:
         seen_ids = list(tv.logical)
-        for split in _splits(tv):
+        for split in splits(tv):
             seen_ids += [split.outer, split.inner]
         streams = [i for i in dict.fromkeys(seen_ids) if i.is_stream]
         if len(streams) > 1:
