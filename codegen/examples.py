@@ -23,6 +23,11 @@ class Example:
     make: Callable[[], Fusion]
     shapes: tuple[tuple[int, ...], ...]  # input shapes for a small test
 
+    def devices(self, gpu: str = "cuda") -> list[str]:
+        """Where each input of a test call lives: ``gpu`` (e.g. "cuda" or "meta") for
+        inputs on the GPU, "cpu" for those declared in host memory (device="cpu")."""
+        return ["cpu" if t.device == "cpu" else gpu for t in self.make().inputs]
+
 
 def stream_matmul_n(m: int = 5, k: int = 7, n: int = 6, slices: int = 3) -> Fusion:
     """nvFuser's StreamTest.Matmul: [5, 7] @ [7, 6], output columns in 3 stream slices."""
@@ -136,8 +141,6 @@ def offload_activations(dtype: torch.dtype = torch.bfloat16, slices: int = 8,
     return fusion
 
 
-# stream_weights and offload_activations are not registered here yet: this table is
-# also the list of csrc_gen/ goldens, and the C++ renderer has no Copy yet.
 EXAMPLES: dict[str, Example] = {
     e.name: e
     for e in (
@@ -152,6 +155,11 @@ EXAMPLES: dict[str, Example] = {
                 two_matmuls_not_inlinable, ((19, 8), (8, 12), (12, 5))),
         Example("linear_bias", linear_bias.__doc__ or "", linear_bias, ((9, 16), (30, 16), (30,))),
         Example("batched", batched.__doc__ or "", batched, ((6, 5, 7), (6, 7, 3))),
+        # Ragged in the split dimension (13 = 8 + 5 in 8 slices of 2: three are empty).
+        Example("stream_weights", stream_weights.__doc__ or "", stream_weights,
+                ((9, 16), (16, 13))),
+        Example("offload_activations", offload_activations.__doc__ or "",
+                offload_activations, ((13, 16), (16, 10))),
     )
 }
 
