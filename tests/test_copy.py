@@ -618,3 +618,18 @@ def test_timeline_slices_and_streams():
     assert _slices_and_streams(program, [(64, 32), (32, 100)]) == (8, 4)
     program = cg.lower(matmul_without_a_loop())
     assert _slices_and_streams(program, [(4, 4), (4, 4)]) == (1, 1)
+
+
+def test_bench_copy_table_and_ratios():
+    import sys
+
+    sys.path.insert(0, str(TESTS.parent / "benchmarks"))
+    import bench_copy
+
+    assert bench_copy.median_ratio([2.0, 3.0, 10.0], [1.0, 1.0, 1.0]) == 3.0
+    row = {"shape": "balanced", "m": 13312, "slices": 8, "copy_ms": 2.4, "gemm_ms": 2.3,
+           "op_ms": 2.8, "op_ratio": 1.17, "floor_ratio": 1.125, "op_floor_ratio": 1.04,
+           "op_col_ratio": 1.15, "python_ratio": 1.2, "copy_then_gemm_ratio": 1.96,
+           "op_host_us": 120.0}
+    text = bench_copy.table([row])
+    assert "balanced  13312   8" in text and "1.170  1.125" in text
