@@ -318,11 +318,7 @@ def main() -> int:
     shapes = {"balanced": m_bal, "copy-bound": max(256, m_bal // 4 // 256 * 256),
               "gemm-bound": 3 * m_bal}
     rows: list[dict[str, Any]] = []
-    for label in args.shapes.split(","):
-        rows += measure_shape(label, shapes[label], w_host, w_host_t, w_dev, pipelines, args)
-        print(table(rows[-len(SLICES):]), flush=True)
-    nvtx_ns = nvtx_range_ns()
-    meta = {
+    meta: dict[str, Any] = {
         "date": datetime.date.today().isoformat(),
         "gpu": torch.cuda.get_device_name(),
         "torch": torch.__version__,
@@ -330,14 +326,20 @@ def main() -> int:
         "command": "PYTHONPATH=. python3 benchmarks/bench_copy.py " + " ".join(sys.argv[1:]),
         "tuning": {"copy_ms": copy0, "gemm_ms_m8192": gemm0, "m_balanced": m_bal},
         "build_s": build_s,
-        "nvtx_range_ns_no_tool": nvtx_ns,
-        "seconds": time.perf_counter() - start,
     }
+    args.out.mkdir(parents=True, exist_ok=True)
+    for label in args.shapes.split(","):  # copy.json after each shape: a cut run keeps some
+        rows += measure_shape(label, shapes[label], w_host, w_host_t, w_dev, pipelines, args)
+        print(table(rows[-len(SLICES):]), flush=True)
+        meta["seconds"] = time.perf_counter() - start
+        (args.out / "copy.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    meta["nvtx_range_ns_no_tool"] = nvtx_range_ns()
+    meta["seconds"] = time.perf_counter() - start
+    (args.out / "copy.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     print()
     print(table(rows))
-    print(f"\nNVTX range with no tool attached: {nvtx_ns} ns; total {meta['seconds']:.0f} s")
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "copy.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    print(f"\nNVTX range with no tool attached: {meta['nvtx_range_ns_no_tool']} ns; "
+          f"total {meta['seconds']:.0f} s")
     print(f"wrote {args.out / 'copy.json'}")
     return 0
 
