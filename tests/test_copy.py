@@ -633,3 +633,49 @@ def test_bench_copy_table_and_ratios():
            "op_host_us": 120.0}
     text = bench_copy.table([row])
     assert "balanced  13312   8" in text and "1.170  1.125" in text
+
+
+WARN_PROBE = """
+#include <torch/csrc/stable/library.h>
+
+#include "codegen/host.h"
+
+namespace {
+void NAME(torch::stable::Tensor) { codegen_rt::warn_pageable_once("NAME", "T1"); }
+}  // namespace
+
+STABLE_TORCH_LIBRARY_FRAGMENT(codegen, m) { m.def("NAME(Tensor x) -> ()"); }
+STABLE_TORCH_LIBRARY_IMPL(codegen, CPU, m) { m.impl("NAME", TORCH_BOX(&NAME)); }
+"""
+
+WARN_ONCE = """
+import warnings, torch
+from codegen.build import build_library
+import sys
+for name in ("warn_probe_a", "warn_probe_b"):
+    build_library(name, sys.argv[1].replace("NAME", name))
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    for _ in range(2):
+        torch.ops.codegen.warn_probe_a(torch.ones(1))
+        torch.ops.codegen.warn_probe_b(torch.ones(1))
+print("CAUGHT", [(c.category.__name__, str(c.message).splitlines()[0]) for c in caught])
+"""
+
+
+def test_pageable_warning_is_printed_once_per_process(cache_dir):
+    """rt::warn_pageable_once (host.h) from two separately built libraries, twice each:
+    one warning (the flag is one symbol for the whole process, though each library hides
+    the rest of the runtime). It goes through TORCH_WARN's C entry point, which torch.ops
+    calls print on stderr: no Python warning (checked here, so a change shows)."""
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": str(TESTS.parent), "CODEGEN_CACHE_DIR": str(cache_dir)}
+    run = subprocess.run([sys.executable, "-c", WARN_ONCE, WARN_PROBE], capture_output=True,
+                         text=True, env=env, timeout=600)
+    assert run.returncode == 0, run.stderr
+    assert "CAUGHT []" in run.stdout, run.stdout
+    assert run.stderr.count("is in pageable host memory") == 1, run.stderr
+    assert ("Warning: warn_probe_a: argument T1 is in pageable host memory, so its copies to "
+            "the GPU cannot overlap the GEMMs (the results are right). Pass T1.pin_memory() "
+            "to overlap them. (codegen warns once per process.)") in run.stderr, run.stderr

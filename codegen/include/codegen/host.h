@@ -81,7 +81,8 @@ __attribute__((visibility("default"))) inline std::atomic<bool>& pageable_warned
   return warned;
 }
 
-// Through TORCH_WARN's C entry point: Python shows it as a UserWarning.
+// Through TORCH_WARN's C entry point (aoti_torch_warn): c10's warning handler prints it on
+// stderr; torch.ops calls do not turn it into a Python warning (tests/test_copy.py).
 inline void warn_pageable_once(const char* op, const char* arg) {
   if (pageable_warned_v1().exchange(true)) return;
   const std::string message =
