@@ -25,7 +25,8 @@ Timing: CUDA events around a block of calls per variant (one untimed call first)
 variants of a shape run interleaved in rounds (order rotated each round) after a warm-up
 of at least one second, and each ratio is the median over rounds of the per-round ratio
 (the H200 power-caps within a second of sustained GEMMs: whatever runs first would win).
-Host microseconds per op call are measured with the GPU kept busy (bench_matmul's helper).
+Host microseconds per op call are measured with the GPU kept busy. The timing helpers are
+benchmarks/gpu_timing.py and interleave.py (shared with bench_matmul.py).
 Writes copy.json to --out and prints a table; about 1.5 minutes on an H200 (builds
 included).
 """
@@ -50,7 +51,8 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from bench_matmul import host_us_per_call  # noqa: E402
+import gpu_timing  # noqa: E402
+from interleave import ratio_fields, reps_for, rotated  # noqa: E402
 
 import codegen as cg  # noqa: E402
 from codegen import examples  # noqa: E402
@@ -96,55 +98,18 @@ class PythonCopyPipeline:
         return out
 
 
-class Block:
-    """One timed block of a variant: an untimed call, then ``reps`` calls between two CUDA
-    events on the current stream."""
-
-    def __init__(self, fn: Callable[[], Any], reps: int) -> None:
-        self.fn, self.reps = fn, reps
-        self.start = torch.cuda.Event(enable_timing=True)
-        self.end = torch.cuda.Event(enable_timing=True)
-
-    def run(self) -> None:
-        self.fn()
-        self.start.record()
-        for _ in range(self.reps):
-            self.fn()
-        self.end.record()
-
-    def ms(self) -> float:
-        return self.start.elapsed_time(self.end) / self.reps
-
-
-def estimate_ms(fn: Callable[[], Any], calls: int = 3) -> float:
-    block = Block(fn, calls)
-    torch.cuda.synchronize()
-    block.run()
-    torch.cuda.synchronize()
-    return block.ms()
-
-
-def warm_up(fn: Callable[[], Any], seconds: float) -> None:
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    while time.perf_counter() - start < seconds:
-        for _ in range(5):
-            fn()
-        torch.cuda.synchronize()
-
-
 def interleaved(variants: dict[str, Callable[[], Any]], rounds: int, block_ms: float,
                 warmup_s: float) -> dict[str, list[float]]:
-    """Milliseconds per call of each variant, one value per round."""
-    reps = {v: max(2, min(20, round(block_ms / max(estimate_ms(fn), 1e-3))))
+    """Milliseconds per call of each variant, one value per round: blocks of calls
+    (gpu_timing.Block) in an order rotated each round, after a warm-up."""
+    reps = {v: reps_for(gpu_timing.estimate_ms(fn, 3), block_ms, 2, 20)
             for v, fn in variants.items()}
-    warm_up(lambda: [fn() for fn in variants.values()], warmup_s)
-    blocks = {v: Block(fn, reps[v]) for v, fn in variants.items()}
+    gpu_timing.warm_up(lambda: [fn() for fn in variants.values()], warmup_s, batch=1)
+    blocks = {v: gpu_timing.Block(fn, reps[v]) for v, fn in variants.items()}
     names = list(variants)
     times: dict[str, list[float]] = {v: [] for v in names}
     for r in range(rounds):
-        order = names[r % len(names):] + names[:r % len(names)]
-        for v in order:
+        for v in rotated(names, r):
             blocks[v].run()
         torch.cuda.synchronize()
         for v in names:
@@ -153,7 +118,8 @@ def interleaved(variants: dict[str, Callable[[], Any]], rounds: int, block_ms: f
 
 
 def median_ratio(num: list[float], den: list[float]) -> float:
-    return statistics.median(a / b for a, b in zip(num, den))
+    """The median over rounds of the per-round ratio (interleave.ratio_fields)."""
+    return float(ratio_fields("r", num, den)["r"])  # type: ignore[arg-type]
 
 
 _ops: dict[int, cg.CompiledOp] = {}
@@ -169,10 +135,10 @@ def op_for(slices: int) -> cg.CompiledOp:
 def tune_m(w_host: torch.Tensor, w_dev: torch.Tensor) -> tuple[int, float, float]:
     """m (a multiple of 256) for which one GEMM [m, K] @ [K, N] takes about as long as
     copying w to the GPU; with the copy and GEMM (m = 8192) times it was derived from."""
-    copy = estimate_ms(lambda: w_dev.copy_(w_host, non_blocking=True), 5)
+    copy = gpu_timing.estimate_ms(lambda: w_dev.copy_(w_host, non_blocking=True), 5)
     x = torch.randn(8192, K, device="cuda", dtype=DTYPE)
-    warm_up(lambda: torch.matmul(x, w_dev), 0.5)
-    gemm = estimate_ms(lambda: torch.matmul(x, w_dev), 5)
+    gpu_timing.warm_up(lambda: torch.matmul(x, w_dev), 0.5)
+    gemm = gpu_timing.estimate_ms(lambda: torch.matmul(x, w_dev), 5)
     return max(256, round(8192 * copy / gemm / 256) * 256), copy, gemm
 
 
@@ -206,7 +172,10 @@ def measure_shape(label: str, m: int, w_host: torch.Tensor, w_host_t: torch.Tens
     bad = {v: e for v, e in errors.items() if not e < 2e-2}
     if bad:
         print(f"WARNING {label}: relative error against fp32 above 2e-2: {bad}")
-    host = {s: host_us_per_call(lambda s=s: op_for(s)(x, w_host), calls=10) for s in SLICES}
+    estimate_call_ms = gpu_timing.estimate_ms(variants["copy_then_gemm"], 2)
+    host = {s: gpu_timing.host_sample(lambda s=s: op_for(s)(x, w_host), calls=5,
+                                      busy_ms=20 + 5 * estimate_call_ms)
+            for s in SLICES}
     t = interleaved(variants, args.rounds, args.block_ms, args.warmup_s)
     bound = [max(c, g) for c, g in zip(t["copy"], t["gemm"])]
     med = statistics.median

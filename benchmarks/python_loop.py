@@ -30,3 +30,29 @@ class PythonStreamLoop:
         for s in self.streams:
             main.wait_stream(s)
         return out
+
+
+class PythonStreamLinear:
+    """``out = x @ w.T + bias`` (``F.linear``) with the rows of ``out`` in ``slices`` slices
+    on a pool of streams; each slice is one ``torch.addmm`` (what ``F.linear`` calls for
+    2-D inputs) into its rows of the output."""
+
+    def __init__(self, slices: int, pool: int = 4) -> None:
+        self.slices = slices
+        self.streams = [torch.cuda.Stream() for _ in range(min(slices, pool))]
+
+    def __call__(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        m = x.shape[0]
+        out = torch.empty(m, w.shape[0], device=x.device, dtype=x.dtype)
+        chunk = -(-m // self.slices)
+        wt = w.t()
+        main = torch.cuda.current_stream()
+        for s in self.streams:
+            s.wait_stream(main)
+        for i in range(self.slices):
+            with torch.cuda.stream(self.streams[i % len(self.streams)]):
+                rows = slice(i * chunk, min((i + 1) * chunk, m))
+                torch.addmm(bias, x[rows], wt, out=out[rows])
+        for s in self.streams:
+            main.wait_stream(s)
+        return out

@@ -8,13 +8,24 @@ from .build import BuildError, CompiledOp, build, compile
 from .errors import InternalError, ScheduleError
 from .evaluator import evaluate
 from .hostir import HostProgram
-from .ir import Fusion, IterDomain, ParallelType, TensorView, input, linear, matmul, output
+from .ir import (
+    DeviceMesh,
+    Fusion,
+    IterDomain,
+    ParallelType,
+    TensorView,
+    input,
+    linear,
+    matmul,
+    output,
+)
 from .lowering import lower, schedule
 from .render import render
 
 __all__ = [
     "BuildError",
     "CompiledOp",
+    "DeviceMesh",
     "build",
     "compile",
     "render",

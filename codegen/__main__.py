@@ -7,7 +7,7 @@ import difflib
 import sys
 from pathlib import Path
 
-from .examples import EXAMPLES, example
+from .examples import DISTRIBUTED_EXAMPLES, EXAMPLES, example
 
 REPO = Path(__file__).resolve().parent.parent
 CSRC_GEN = REPO / "csrc_gen"
@@ -18,7 +18,8 @@ def golden_sources() -> dict[str, str]:
     from .lowering import lower
     from .render import render
 
-    return {f"{name}.cpp": render(lower(ex.make())) for name, ex in EXAMPLES.items()}
+    examples = {**EXAMPLES, **DISTRIBUTED_EXAMPLES}
+    return {f"{name}.cpp": render(lower(ex.make())) for name, ex in examples.items()}
 
 
 def regen(out: Path) -> list[str]:

@@ -1,16 +1,21 @@
 """C++ source -> a loaded torch op, through a cache shared by processes.
 
 The cache (``CODEGEN_CACHE_DIR``, default ``~/.cache/codegen``) has one folder per
-(op name, hash of source + flags + torch + Python; for a rendered program the op name
-already hashes everything its source is made from, so a cached op loads without
-rendering). A folder whose ``ok`` stamp matches
-its library is loaded directly (``torch.ops.load_library``, no compiler, no ninja);
-otherwise it is built with ``torch.utils.cpp_extension`` and ninja under an exclusive
-``flock`` (released by the OS if the builder dies, so a killed build leaves nothing
-that blocks the next). ``CODEGEN_REBUILD=1`` forces a build.
+(op name, full hash of what the source is made from + torch + compiler + flags; for a
+rendered program that hash is known without rendering, so a cached op loads without
+Jinja). A folder whose ``ok`` stamp names that hash and its library's hash is loaded
+directly (``torch.ops.load_library``, no compiler); otherwise it is built under an
+exclusive ``flock`` (released by the OS if the builder dies, so a killed build leaves
+nothing that blocks the next) and loaded under the same lock. ``CODEGEN_REBUILD=1``
+forces a build.
 
-On a machine without a GPU this still builds: the toolkit's location, the arch list and
-the cuBLAS headers of the torch wheel are found here, not in the user's shell.
+A program is one translation unit against torch's stable ABI (no ATen headers), built
+by one compiler run with the flags of ``toolchain()``. The runtime headers it starts with
+are precompiled once per cache (``_precompiled_runtime``). ``torch.utils.cpp_extension``
+is not used: the define it adds per extension name would make GCC refuse the shared
+precompiled header, and a single host-only file needs neither ninja nor nvcc. Without
+a GPU this still builds: the toolkit and the cuBLAS headers of the torch wheel are found
+here, not in the user's shell.
 """
 
 from __future__ import annotations
@@ -18,11 +23,13 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import fcntl
+import functools
 import hashlib
-import importlib
-import logging
 import os
 import re
+import shlex
+import shutil
+import subprocess
 import sys
 import threading
 import time
@@ -32,6 +39,7 @@ from typing import Any
 
 import torch
 
+from . import collectives, distributed
 from . import hostir as hir
 from .evaluator import check_inputs
 from .render import NAMESPACE, include_dir, op_name, program_digest, render
@@ -64,8 +72,7 @@ def _cuda_home() -> str | None:
     """A CUDA toolkit with headers: $CUDA_HOME if it has them, else /usr/local/cuda, else
     the folder above the real nvcc (a wrapper in /usr/local/bin misleads torch)."""
     candidates = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"]
-    from shutil import which
-    nvcc = which("nvcc")
+    nvcc = shutil.which("nvcc")
     if nvcc:
         candidates.append(str(Path(os.path.realpath(nvcc)).parent.parent))
     for c in candidates:
@@ -84,41 +91,102 @@ def _wheel_cuda_includes() -> list[str]:
     return found
 
 
-@contextlib.contextmanager
-def _toolchain() -> Iterator[list[str]]:
-    """Sets what cpp_extension needs for this build only; yields extra C++ flags."""
+@dataclasses.dataclass(frozen=True)
+class Toolchain:
+    """The compiler and every flag a program is built with: the same for the runtime's
+    precompiled header and for each program, which is what lets GCC use the former."""
+
+    cxx: str
+    cflags: tuple[str, ...]
+    ldflags: tuple[str, ...]
+
+    def tag(self) -> str:
+        """What a build's cache key must include besides the source (not the linker,
+        which does not change the library's meaning)."""
+        return f"{self.cxx}|{self.cflags}|{tuple(f for f in self.ldflags if f != GOLD)}"
+
+
+GOLD = "-fuse-ld=gold"
+_gold_failed = threading.Event()
+
+
+def toolchain() -> Toolchain:
+    """The toolchain of this machine (gold unless it failed here)."""
+    return _toolchain(not _gold_failed.is_set())
+
+
+@functools.cache
+def _toolchain(gold: bool) -> Toolchain:
+    """Flags for a host-only translation unit against torch's stable ABI, on this machine
+    (no GPU needed: only the CUDA runtime's and cuBLAS's headers)."""
     home = _cuda_home()
     if home is None:
         raise BuildError("codegen: no CUDA toolkit with headers found (looked at $CUDA_HOME, "
                          "/usr/local/cuda and next to nvcc); set CUDA_HOME")
-    if "torch.utils.cpp_extension" not in sys.modules:
-        # CUDA_HOME is read once, at import; without a GPU the import also warns that no
-        # CUDA runtime was found, which is expected here: only host code is compiled.
-        saved_env = os.environ.get("CUDA_HOME")
-        os.environ["CUDA_HOME"] = saved_env or home
-        log = logging.getLogger("torch.utils.cpp_extension")
-        level = log.level
-        log.setLevel(logging.ERROR)
-        try:
-            importlib.import_module("torch.utils.cpp_extension")
-        finally:
-            log.setLevel(level)
-            if saved_env is None:
-                del os.environ["CUDA_HOME"]
-    cpp = importlib.import_module("torch.utils.cpp_extension")
-
-    saved_home, saved_arch = cpp.CUDA_HOME, os.environ.get("TORCH_CUDA_ARCH_LIST")
-    cpp.CUDA_HOME = home
-    if saved_arch is None and not torch.cuda.is_available():
-        # Only .cpp is compiled, but cpp_extension asks for an arch list without a GPU.
-        os.environ["TORCH_CUDA_ARCH_LIST"] = "9.0"
-    try:
+    torch_dir = Path(torch.__file__).resolve().parent
+    cflags = (
+        "-std=c++20", "-fPIC", *CFLAGS,
+        f"-isystem{torch_dir / 'include'}", f"-isystem{Path(home) / 'include'}",
         # After the toolkit's own include folder: the wheels also carry a partial runtime.
-        yield [f"-I{include_dir()}", *(f"-idirafter{d}" for d in _wheel_cuda_includes())]
-    finally:
-        cpp.CUDA_HOME = saved_home
-        if saved_arch is None:
-            os.environ.pop("TORCH_CUDA_ARCH_LIST", None)
+        *(f"-idirafter{d}" for d in _wheel_cuda_includes()),
+    )
+    cuda_lib = next((str(Path(home) / d) for d in ("lib64", "lib")
+                     if (Path(home) / d).is_dir()), str(Path(home) / "lib64"))
+    # gold links against libtorch's large symbol tables in half the time of GNU ld.
+    linker = (GOLD,) if gold and shutil.which("ld.gold") else ()
+    ldflags = ("-shared", *linker, f"-L{torch_dir / 'lib'}", "-lc10", "-ltorch_cpu",
+               "-ltorch_cuda", "-ltorch", f"-L{cuda_lib}", "-lcudart",
+               f"-Wl,-rpath,{torch_dir / 'lib'}")
+    return Toolchain(os.environ.get("CXX", "c++"), cflags, ldflags)
+
+
+def _run(command: list[str], log_path: Path, what: str) -> None:
+    """Runs a compiler command; a failure is a BuildError with its first diagnostic."""
+    result = subprocess.run(command, capture_output=True, text=True)
+    if result.returncode != 0:
+        log = f"$ {shlex.join(command)}\n{result.stdout}{result.stderr}"
+        log_path.write_text(log)
+        raise BuildError(f"codegen: building {what} failed: {_first_error(log)}\n"
+                         f"full log: {log_path}")
+
+
+# The runtime's umbrella header: the first include of every program, precompiled once.
+RUNTIME_HEADER = "codegen/runtime.h"
+
+
+def _precompiled_runtime(tools: Toolchain) -> Path | None:
+    """A folder holding a copy of the runtime headers and ``runtime.h.gch``, built once per
+    toolchain and header text (the first program in a fresh cache pays ~6 s), under an
+    exclusive lock and stamped like an op, so a killed build is rebuilt by the next
+    process. Put before the package's include folder, GCC takes the .gch when its flags
+    match and silently reads the headers otherwise; None when it cannot be built (then
+    programs build without it, just slower)."""
+    headers = sorted(include_dir().rglob("*.h"))
+    texts = b"".join(h.name.encode() + b"\0" + h.read_bytes() for h in headers)
+    key = _digest(tools.tag().encode() + texts + torch.__version__.encode())
+    folder = cache_root() / f"runtime-pch-{key[:16]}"
+    pch = folder / f"{RUNTIME_HEADER}.gch"
+    stamp = folder / "ok"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with _exclusive(folder):
+            if stamp.is_file() and stamp.read_text().split() == [key, _digest(pch.read_bytes())]:
+                return folder
+            stamp.unlink(missing_ok=True)
+            for h in headers:
+                target = folder / h.relative_to(include_dir())
+                target.parent.mkdir(parents=True, exist_ok=True)
+                target.write_bytes(h.read_bytes())
+            partial = pch.with_suffix(".gch.partial")
+            _run([tools.cxx, *tools.cflags, f"-I{folder}", "-x", "c++-header",
+                  str(folder / RUNTIME_HEADER),
+                  "-o", str(partial)], folder / "build.log", "the runtime's precompiled header")
+            partial.replace(pch)
+            stamp.write_text(f"{key} {_digest(pch.read_bytes())}\n")
+            return folder
+    except (BuildError, OSError) as e:
+        print(f"codegen: building without a precompiled runtime ({e})", file=sys.stderr)
+        return None
 
 
 # ---------------------------------------------------------------------------- cache
@@ -130,10 +198,8 @@ def _digest(data: bytes) -> str:
 
 def _key(source: str) -> str:
     """The full cache key of a source text (or of the digest of what determines it):
-    also the torch, CUDA and Python versions, the compiler and every flag."""
-    compiler = os.environ.get("CXX", "c++")
-    flags = [*CFLAGS, f"-I{include_dir()}", *_wheel_cuda_includes()]
-    tag = f"{torch.__version__}|{torch.version.cuda}|{sys.version_info[:2]}|{compiler}|{flags}"
+    also the torch and CUDA versions, the compiler and every flag."""
+    tag = f"{torch.__version__}|{torch.version.cuda}|{toolchain().tag()}|{include_dir()}"
     return _digest(f"{tag}\n{source}".encode())
 
 
@@ -185,40 +251,31 @@ def _first_error(log: str) -> str:
     return lines[-1].strip() if lines else "(no compiler output)"
 
 
-def _forget_versions(name: str) -> None:
-    """cpp_extension numbers a second build of one name in a process ``<name>_v1`` (and
-    then looks for ``<name>.so``, which a failed first build never wrote); every build
-    here is of a new source in its own folder, so its version history is dropped."""
-    cpp = sys.modules.get("torch.utils.cpp_extension")
-    versioner = getattr(cpp, "JIT_EXTENSION_VERSIONER", None)
-    entries = getattr(versioner, "entries", None)
-    if isinstance(entries, dict):
-        entries.pop(name, None)
-
-
 def _compile(entry: _Entry, source: str, key: str) -> float:
-    """Builds ``entry`` from ``source``; returns seconds. Caller holds the lock."""
-    # A builder killed mid-way (SIGKILL, power loss) leaves no stamp, maybe a partial
-    # library, and maybe cpp_extension's own "lock" file (older torches do not clean it
-    # up, and would wait on it forever). We hold the entry's flock, so nobody else is
-    # building here: all of it is stale.
-    for stale in (entry.stamp, entry.library, entry.folder / "lock"):
+    """Builds ``entry`` from ``source`` in one compiler run; returns seconds. Caller holds
+    the lock."""
+    # A builder killed mid-way (SIGKILL, power loss) leaves no stamp and maybe a partial
+    # library. We hold the entry's flock, so nobody else is building here: it is stale.
+    for stale in (entry.stamp, entry.library):
         stale.unlink(missing_ok=True)
-    entry.source.write_text(source)
     start = time.perf_counter()
-    with _toolchain() as extra:
-        from torch.utils.cpp_extension import load  # after _toolchain fixed CUDA_HOME
-
-        _forget_versions(entry.name)
-        try:
-            load(name=entry.name, sources=[str(entry.source)], build_directory=str(entry.folder),
-                 extra_cflags=[*CFLAGS, *extra], with_cuda=True, is_python_module=False,
-                 verbose=False)
-        except Exception as e:  # cpp_extension raises RuntimeError with the ninja log
-            log_path = entry.folder / "build.log"
-            log_path.write_text(str(e))
-            raise BuildError(f"codegen: building {entry.name} failed: {_first_error(str(e))}\n"
-                             f"full log: {log_path}") from None
+    tools = toolchain()
+    pch = _precompiled_runtime(tools)
+    entry.source.write_text(source)
+    includes = [*([f"-I{pch}", "-Winvalid-pch"] if pch else []), f"-I{include_dir()}"]
+    partial = entry.library.with_suffix(".so.partial")
+    command = [tools.cxx, *tools.cflags, *includes, str(entry.source), "-o", str(partial)]
+    try:
+        _run([*command, *tools.ldflags], entry.folder / "build.log", entry.name)
+    except BuildError:
+        if GOLD not in tools.ldflags:
+            raise
+        # gold is faster but cannot read some toolchains' libstdc++ linker scripts (seen
+        # with a GCC in /opt/gcc): link with the default linker from now on.
+        _gold_failed.set()
+        tools = toolchain()
+        _run([*command, *tools.ldflags], entry.folder / "build.log", entry.name)
+    partial.replace(entry.library)
     entry.stamp.write_text(f"{key} {_digest(entry.library.read_bytes())}\n")
     return time.perf_counter() - start
 
@@ -275,14 +332,16 @@ def _register_python_parts(program: hir.HostProgram, qualname: str) -> None:
     whoever calls the op, and makes backward fail with a message instead of torch's
     generic one."""
     outputs = [program.allocations()[o] for o in program.outputs]
+    n_inputs = len(program.inputs)
 
-    def fake(*inputs: torch.Tensor) -> Any:
+    def fake(*args: Any) -> Any:
+        inputs = args[:n_inputs]  # a program with collectives also takes a group name
         env = check_inputs(program, inputs)
         outs = [inputs[0].new_empty([e.evaluate(env) for e in o.shape], dtype=o.dtype)
                 for o in outputs]
         return outs[0] if len(outs) == 1 else tuple(outs)
 
-    def backward(ctx: Any, *grads: torch.Tensor) -> Any:
+    def backward(ctx: Any, *grads: torch.Tensor) -> Any:  # noqa: ARG001
         raise RuntimeError(
             f"{program.name}: codegen ops have no backward yet; compute the op under "
             "torch.no_grad(), or with .detach()ed inputs, where gradients are not needed")
@@ -306,6 +365,7 @@ class CompiledOp:
         self._source = source
         self.name = f"{NAMESPACE}::{op_name}"
         self.op = getattr(getattr(torch.ops, NAMESPACE), op_name)
+        self._communicates = bool(distributed.communications(program))
 
     @property
     def source(self) -> str:
@@ -314,7 +374,15 @@ class CompiledOp:
             self._source = render(self.host_ir)
         return self._source
 
-    def __call__(self, *inputs: torch.Tensor) -> Any:
+    def __call__(self, *inputs: torch.Tensor, group: Any = None) -> Any:
+        """Runs the op; a program with collectives runs them over ``group`` (default:
+        torch.distributed's default group), resolved now."""
+        if self._communicates:
+            pg = distributed.resolve_group(self.host_ir, group)
+            return self.op(*inputs, pg.group_name)  # type: ignore[union-attr]
+        if group is not None:
+            raise TypeError(f"{self.host_ir.name}: group= is only for programs with "
+                            "collectives; this one has none")
         return self.op(*inputs)
 
     def __repr__(self) -> str:
@@ -328,6 +396,8 @@ def build(program: hir.HostProgram, source: str | None = None) -> CompiledOp:
     """Builds (or loads from cache) the op of ``program``; ``source`` defaults to
     ``render(program)``."""
     name = op_name(program)
+    if distributed.communications(program):
+        collectives.register()
     if source is None:  # the digest covers the program, the templates and the renderer
         library = build_library(name, lambda: render(program),
                                 key=f"rendered:{program_digest(program)}")

@@ -4,16 +4,19 @@ It is the executable specification of host-IR semantics, the CPU oracle of the t
 and a fallback where no CUDA build is possible. Each compute node is one torch call per
 slice, writing into that slice (``torch.matmul(a_i, b, out=c_i)``), so a profiler shows
 exactly what the host program does. On CUDA, ``Stream(k)`` is the k-th stream of a pool
-that this module keeps per device; on the CPU stream nodes do nothing.
+that this module keeps per device; on the CPU stream nodes only record what they would do.
+On every exit, an exception mid-loop included, the caller's stream is current again and
+ordered after every worker stream used, and the caller's current device is restored.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
+from . import distributed
 from . import hostir as hir
 from .errors import InternalError
 from .ir import DTYPE_NAMES
@@ -112,21 +115,92 @@ def program_device(program: hir.HostProgram, inputs: Sequence[torch.Tensor]) -> 
     return torch.device("cpu")
 
 
-class _Interpreter:
-    def __init__(self, program: hir.HostProgram, env: dict[str, int],
-                 values: dict[str, torch.Tensor], device: torch.device) -> None:
-        self.program, self.env, self.values, self.device = program, env, values, device
-        self.cuda = device.type == "cuda"
-        self.streams: dict[str, object] = {}
+# Test-only fault injection: when set, ``_fault_hook(interpreter, node)`` runs before every
+# compute node, so a test can raise mid-loop and check what ``evaluate`` leaves behind (the
+# interpreter's ``streams.log``). Nothing in the package sets it.
+_fault_hook: Callable[[_Interpreter, hir.Node], None] | None = None
 
-    def stream(self, ref: hir.StreamRef) -> torch.cuda.Stream:
+_COMPUTE_NODES = (hir.Matmul, hir.Linear)
+_CALLER = None  # the key of the caller's stream in _Streams; workers are keyed by index
+
+
+class _Streams:
+    """The stream state of one evaluation, as a scope guard (the evaluator's counterpart of
+    the C++ runtime's RAII fork/join guard).
+
+    Streams are keyed ``None`` (the caller's) or by worker index. ``pending`` holds the
+    workers that were current since the caller's stream last waited for them: work may be
+    queued there that the caller is not ordered after. On every exit, exceptions included,
+    the guard makes the caller's stream current again, makes it wait for every pending
+    worker (a no-op when the program's own join ran), and restores the caller's current
+    device (``torch.cuda.set_stream`` switches it). ``log`` records each stream action as
+    a tuple, on the CPU too, where the actions themselves do nothing.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device, self.cuda = device, device.type == "cuda"
+        self.current: int | None = _CALLER
+        self.pending: dict[int, None] = {}  # insertion-ordered set
+        self.log: list[tuple[object, ...]] = []
+        self._caller = torch.cuda.current_stream(device) if self.cuda else None
+        self._caller_device = torch.cuda.current_device() if self.cuda else None
+
+    def __enter__(self) -> _Streams:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            self.set_current(_CALLER)
+            for k in list(self.pending):
+                self.synchronize(k)
+            self.log.append(("exit",))
+        finally:
+            if self._caller_device is not None:
+                torch.cuda.set_device(self._caller_device)
+
+    def stream(self, key: int | None) -> torch.cuda.Stream:
+        return self._caller if key is _CALLER else _worker_stream(self.device, key)
+
+    def set_current(self, key: int | None) -> None:
+        if self.cuda:
+            torch.cuda.set_stream(self.stream(key))
+        self.current = key
+        if key is not _CALLER:
+            self.pending[key] = None
+        self.log.append(("set", key))
+
+    def synchronize(self, key: int | None) -> None:
+        """The current stream waits for ``key``'s stream."""
+        if self.cuda:
+            self.stream(self.current).wait_stream(self.stream(key))
+        if self.current is _CALLER and key is not _CALLER:
+            self.pending.pop(key, None)
+        self.log.append(("wait", self.current, key))
+
+
+class _Interpreter(distributed.CommunicationEvaluator):
+    def __init__(self, program: hir.HostProgram, env: dict[str, int],
+                 values: dict[str, torch.Tensor], streams: _Streams) -> None:
+        self.program, self.env, self.values, self.streams = program, env, values, streams
+        self.device = streams.device
+        # Loop indices live apart from the extents in env, so an extent may be named like
+        # a loop index ("i") without one shadowing the other.
+        self.indices: dict[str, int] = {}
+        self.stream_names: dict[str, int | None] = {}  # values of GetCurrentStream
+        self.group: object | None = None  # the process group of Communication nodes
+
+    def stream_key(self, ref: hir.StreamRef) -> int | None:
         if isinstance(ref, str):
-            return self.streams[ref]  # type: ignore[return-value]
-        k = self.env[ref.index]
-        return _worker_stream(self.device, k % ref.pool if ref.pool else k)
+            if ref not in self.stream_names:
+                raise InternalError(f"{self.program.name}: stream {ref} is not defined")
+            return self.stream_names[ref]
+        k = self.indices[ref.index]
+        return k % ref.pool if ref.pool else k
 
     def run(self, nodes: list[hir.Node]) -> None:
         for node in nodes:
+            if _fault_hook is not None and isinstance(node, _COMPUTE_NODES):
+                _fault_hook(self, node)
             getattr(self, type(node).__name__)(node)
 
     # One method per node kind, named as the node.
@@ -134,7 +208,7 @@ class _Interpreter:
         shape = [e.evaluate(self.env) for e in n.out.shape]
         if n.out.device == "cpu":  # pinned only where there is a GPU to copy to
             self.values[n.out.name] = torch.empty(shape, dtype=n.out.dtype,
-                                                  pin_memory=n.pinned and self.cuda)
+                                                  pin_memory=n.pinned and self.streams.cuda)
             return
         self.values[n.out.name] = torch.empty(shape, dtype=n.out.dtype, device=self.device)
 
@@ -142,52 +216,65 @@ class _Interpreter:
         del self.values[n.tensor]
 
     def GetCurrentStream(self, n: hir.GetCurrentStream) -> None:
-        self.streams[n.out] = torch.cuda.current_stream(self.device) if self.cuda else None
+        self.stream_names[n.out] = self.streams.current
 
     def SetCurrentStream(self, n: hir.SetCurrentStream) -> None:
-        if self.cuda:
-            torch.cuda.set_stream(self.stream(n.stream))
+        self.streams.set_current(self.stream_key(n.stream))
 
     def Synchronize(self, n: hir.Synchronize) -> None:
-        if self.cuda:
-            torch.cuda.current_stream(self.device).wait_stream(self.stream(n.stream))
+        self.streams.synchronize(self.stream_key(n.stream))
 
     def ForLoop(self, n: hir.ForLoop) -> None:
         per_iteration = [d for node in n.body for d in node.defines()]  # slice views
         for i in range(n.start.evaluate(self.env), n.stop.evaluate(self.env)):
-            self.env[n.index] = i
+            self.indices[n.index] = i
             self.run(n.body)
             for d in per_iteration:
                 self.values.pop(d, None)
-        self.env.pop(n.index, None)
+        self.indices.pop(n.index, None)
 
     def ShardByStream(self, n: hir.ShardByStream) -> None:
         t = self.values[n.tensor]
         size = t.shape[n.axis]
         chunk = n.chunk.evaluate(self.env)
-        start = min(self.env[n.index] * chunk, size)
+        start = min(self.indices[n.index] * chunk, size)
         self.values[n.out] = t.narrow(n.axis, start, min(chunk, size - start))
 
     def StagingSlot(self, n: hir.StagingSlot) -> None:
         like = self.values[n.like]
-        slot = self.values[n.stage][n.slot.position(self.env)]
+        slot = self.values[n.stage][n.slot.position(self.indices)]
         self.values[n.out] = slot.view(-1)[: like.numel()].view(like.shape)
 
     def Copy(self, n: hir.Copy) -> None:
         self.values[n.out].copy_(self.values[n.src], non_blocking=True)
 
     def StreamSynchronize(self, n: hir.StreamSynchronize) -> None:
-        if self.cuda:
-            self.stream(n.stream).synchronize()
+        if self.streams.cuda:
+            self.streams.stream(self.stream_key(n.stream)).synchronize()
 
+    # An empty contraction (k = 0) sums nothing: the slice is zeros (or the bias). torch
+    # cannot always say so itself: matmul(out=) of a 3-D x 2-D folds the operands to 2-D,
+    # and for k = 0 it then fails on an out that is a non-contiguous slice (rows of 3-D).
     def Matmul(self, n: hir.Matmul) -> None:
         v = self.values
-        torch.matmul(v[n.a], v[n.b], out=v[n.out])
+        a, b, out = v[n.a], v[n.b], v[n.out]
+        if a.shape[-1] == 0:
+            out.zero_()
+            return
+        if a.dim() == 3 and b.dim() == 2:
+            # torch.matmul(out=) folds 3-D x 2-D into one mm on out viewed 2-D, and fails
+            # when out's batch stride is not rows * columns (a strided batched view).
+            b = b.expand(a.shape[0], -1, -1)
+        torch.matmul(a, b, out=out)
 
     def Linear(self, n: hir.Linear) -> None:
         v = self.values
         x, w, out = v[n.x], v[n.w], v[n.out]
-        if n.bias is None:
+        if x.shape[-1] == 0 and n.bias is None:
+            out.zero_()
+        elif x.shape[-1] == 0:
+            out.copy_(v[n.bias].expand_as(out))
+        elif n.bias is None:
             torch.matmul(x, w.t(), out=out)
         elif x.dim() == 2:
             torch.addmm(v[n.bias], x, w.t(), out=out)
@@ -195,24 +282,21 @@ class _Interpreter:
             torch.baddbmm(v[n.bias], x, w.t().expand(x.shape[0], -1, -1), out=out)
 
 
-def evaluate(program: hir.HostProgram, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """Runs ``program`` on ``inputs`` (CPU or CUDA tensors); returns its outputs.
-    The program runs where ``program_device`` says; host (``device="cpu"``) outputs are
-    CPU tensors, pinned when it runs on CUDA, and complete when this returns."""
+def evaluate(program: hir.HostProgram, inputs: Sequence[torch.Tensor], *,
+             group: object | None = None) -> list[torch.Tensor]:
+    """Runs ``program`` on ``inputs`` (CPU or CUDA tensors); returns its outputs. A program
+    that communicates (see codegen.distributed) takes this rank's local blocks and runs
+    its collectives over ``group`` (default: torch.distributed's default group)."""
     if not isinstance(program, hir.HostProgram):
         raise TypeError(f"evaluate expects a cg.HostProgram (from cg.lower), "
                         f"got {type(program).__name__}")
     env = check_inputs(program, inputs)
     device = program_device(program, inputs)
     values = {t.name: x for t, x in zip(program.inputs, inputs)}
-    interp = _Interpreter(program, env, values, device)
-    caller = torch.cuda.current_stream(device) if interp.cuda else None
-    try:
-        with torch.no_grad():
-            interp.run(program.body)
-    finally:
-        if caller is not None:
-            torch.cuda.set_stream(caller)
+    with _Streams(device) as streams, torch.no_grad():
+        interp = _Interpreter(program, env, values, streams)
+        interp.group = distributed.resolve_group(program, group)
+        interp.run(program.body)
     missing = [o for o in program.outputs if o not in values]
     if missing:
         raise InternalError(f"{program.name}: outputs {missing} were never computed")

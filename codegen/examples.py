@@ -11,9 +11,11 @@ from collections.abc import Callable
 import torch
 
 from . import ir
-from .ir import Fusion, ParallelType
+from .errors import ScheduleError
+from .ir import DeviceMesh, Fusion, ParallelType
 
 Stream = ParallelType.Stream
+DIDx = ParallelType.DIDx
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,6 +143,77 @@ def offload_activations(dtype: torch.dtype = torch.bfloat16, slices: int = 8,
     return fusion
 
 
+def _check_tp_args(what: str, slices: int, world_size: int) -> DeviceMesh:
+    for arg, value in (("slices", slices), ("world_size", world_size)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ScheduleError(f"{what}: {arg} must be an int >= 1, got {value!r}")
+    return DeviceMesh(world_size)
+
+
+def allgather_matmul(dtype: torch.dtype, slices: int, world_size: int,
+                     name: str = "allgather_matmul") -> Fusion:
+    """Per rank: ``op(x_local [m_local, k], w_local [k, n_local]) -> out [world_size *
+    m_local, n_local] = all_gather_into_tensor(x_local) @ w_local`` (rows in rank order).
+
+    Globally ``out = x @ w`` with x's rows and w's and out's columns sharded (DIDx); out's
+    rows are whole on every rank, so x's rows are all-gathered. ``slices`` > 1 cuts each
+    rank's block of out's rows into stream slices: slice i all-gathers piece i of every
+    rank's x_local while slice i-1 multiplies (``slices`` must divide m_local).
+    ``slices`` = 1: the all-gather, then one GEMM (no overlap)."""
+    mesh = _check_tp_args(name, slices, world_size)
+    with Fusion(name) as fusion:
+        x = ir.input(["m", "k"], dtype, name="x")
+        w = ir.input(["k", "n"], dtype, name="w")
+        out = ir.matmul(x, w)
+        ir.output(out)
+    for tv in (x, w, out):
+        tv.set_device_mesh(mesh)
+    x.outer_split(0, world_size)
+    x.axis(0).parallelize(DIDx)  # x: [DIDx{D}, m/D, k]
+    w.outer_split(1, world_size)
+    w.axis(1).parallelize(DIDx)  # w: [k, DIDx{D}, n/D]
+    out.outer_split(1, world_size)
+    out.axis(1).parallelize(DIDx)  # out: [m, DIDx{D}, n/D, rk]
+    if slices > 1:
+        out.outer_split(0, world_size)  # out's rows as every rank's block: [D, m/D, ...]
+        out.outer_split(1, slices)  # [D, S, m/(D*S), DIDx{D}, n/D, rk]
+        out.axis(1).parallelize(Stream)
+    return fusion
+
+
+def matmul_reduce_scatter(dtype: torch.dtype, slices: int, world_size: int,
+                          name: str = "matmul_reduce_scatter") -> Fusion:
+    """Per rank: ``op(x_local [m, k_local], w_local [k_local, n]) -> out [m / world_size,
+    n] = reduce_scatter_tensor(x_local @ w_local, SUM)`` (rank r gets rows r*m/D ..).
+
+    Globally ``out = x @ w`` with the contraction k sharded (DIDx on x's columns and w's
+    rows: each rank holds a partial sum) and out's rows sharded: a reduce-scatter.
+    ``slices`` > 1 cuts each rank's block of out's rows into stream slices: slice i
+    multiplies piece i of every block of x_local's rows, then reduce-scatters it while
+    slice i+1 multiplies (``slices`` * world_size must divide m). ``slices`` = 1: one GEMM,
+    then the reduce-scatter."""
+    mesh = _check_tp_args(name, slices, world_size)
+    with Fusion(name) as fusion:
+        x = ir.input(["m", "k"], dtype, name="x")
+        w = ir.input(["k", "n"], dtype, name="w")
+        out = ir.matmul(x, w)
+        ir.output(out)
+    for tv in (x, w, out):
+        tv.set_device_mesh(mesh)
+    x.outer_split(1, world_size)
+    x.axis(1).parallelize(DIDx)  # x: [m, DIDx{D}, k/D]
+    w.outer_split(0, world_size)
+    w.axis(0).parallelize(DIDx)  # w: [DIDx{D}, k/D, n]
+    out.outer_split(0, world_size)
+    out.axis(0).parallelize(DIDx)  # out: [DIDx{D}, m/D, n, rk]
+    if slices > 1:
+        out.outer_split(1, slices)  # [DIDx{D}, S, m/(D*S), n, rk]
+        out.axis(1).parallelize(Stream)
+    return fusion
+
+
+# The examples that run on one device, each with its csrc_gen/ golden (the distributed
+# ones, DISTRIBUTED_EXAMPLES below, need a process group).
 EXAMPLES: dict[str, Example] = {
     e.name: e
     for e in (
@@ -168,3 +241,28 @@ def example(name: str) -> Example:
     if name not in EXAMPLES:
         raise ValueError(f"unknown example {name!r}; choose one of {', '.join(EXAMPLES)}")
     return EXAMPLES[name]
+
+
+def allgather_matmul_2x4() -> Fusion:
+    """Tensor parallel, 2 ranks: all_gather(x_local) @ w_local, the all-gather sliced into
+    4 stream slices (slice i's collective runs under slice i-1's GEMM)."""
+    return allgather_matmul(torch.bfloat16, 4, 2, name="allgather_matmul_2x4")
+
+
+def matmul_reduce_scatter_2x4() -> Fusion:
+    """Tensor parallel, 2 ranks: reduce_scatter(x_local @ w_local), sliced into 4 stream
+    slices (slice i's reduce-scatter runs under slice i+1's GEMM)."""
+    return matmul_reduce_scatter(torch.bfloat16, 4, 2, name="matmul_reduce_scatter_2x4")
+
+
+# Examples whose C++ is checked in under csrc_gen/ but which need a process group to run
+# (tests/test_tp*.py run them); not in EXAMPLES, whose entries run on one device.
+DISTRIBUTED_EXAMPLES: dict[str, Example] = {
+    e.name: e
+    for e in (
+        Example("allgather_matmul_2x4", allgather_matmul_2x4.__doc__ or "",
+                allgather_matmul_2x4, ((16, 32), (32, 24))),
+        Example("matmul_reduce_scatter_2x4", matmul_reduce_scatter_2x4.__doc__ or "",
+                matmul_reduce_scatter_2x4, ((16, 32), (32, 24))),
+    )
+}

@@ -131,6 +131,28 @@ class IterType(enum.Enum):
 class ParallelType(enum.Enum):
     Serial = "S"
     Stream = "Stream"
+    DIDx = "DIDx"  # across the ranks of the tensor's DeviceMesh (the argument is the local shard)
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceMesh:
+    """The ranks a tensor is spread over: ranks ``0 .. size-1`` of the process group the
+    program is called with (the default group unless one is given). A loop axis made by
+    ``outer_split(axis, size)`` and parallelized on ``ParallelType.DIDx`` is sharded: rank
+    r holds block r of that axis, and the op's argument is that local block."""
+
+    size: int
+
+    def __post_init__(self) -> None:
+        if isinstance(self.size, bool) or not isinstance(self.size, int) or self.size < 1:
+            raise ScheduleError(f"DeviceMesh: size must be an int >= 1, got {self.size!r}")
+
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        return tuple(range(self.size))
+
+    def __str__(self) -> str:
+        return f"DeviceMesh({self.size})"
 
 
 @dataclasses.dataclass(eq=False)
@@ -182,7 +204,7 @@ class IterDomain:
         return self
 
     def __str__(self) -> str:
-        tag = "Stream" if self.is_stream else ""
+        tag = "" if self.parallel_type is ParallelType.Serial else self.parallel_type.value
         return f"{self.iter_type.value}{tag}{{{self.extent}}}"
 
 
@@ -220,6 +242,7 @@ class TensorView:
     definition: Op | None = None
     loop: list[IterDomain] = dataclasses.field(default_factory=list)
     device: str = "cuda"  # residency of an input or output (DEVICES); "cuda" otherwise
+    mesh: DeviceMesh | None = None  # set by set_device_mesh; None: not distributed
 
     def __post_init__(self) -> None:
         if not self.loop:
@@ -238,6 +261,14 @@ class TensorView:
         return len(self.shape)
 
     # -- scheduling
+    def set_device_mesh(self, mesh: DeviceMesh) -> TensorView:
+        """Places this tensor on ``mesh`` (see codegen.distributed)."""
+        if not isinstance(mesh, DeviceMesh):
+            raise ScheduleError(f"{self.name}.set_device_mesh expects a cg.DeviceMesh, got "
+                                f"{mesh!r}")
+        self.mesh = mesh
+        return self
+
     def _loop_axis(self, axis: int, what: str) -> int:
         if isinstance(axis, bool) or not isinstance(axis, int):
             raise ScheduleError(f"{self.name}.{what}: axis must be an int, got {axis!r}")
@@ -329,6 +360,8 @@ class TensorView:
             text += f" loop {self.loop_str()}"
         if self.device != "cuda":
             text += f" device={self.device}"
+        if self.mesh is not None:
+            text += f" on {self.mesh}"
         return text
 
 
@@ -430,6 +463,8 @@ class Fusion:
         self.inputs: list[TensorView] = []
         self.outputs: list[TensorView] = []
         self.ops: list[Op] = []
+        # every input extent symbol -> whether codegen named it (a free extent, None)
+        self._symbols: dict[str, bool] = {}
         self._token: contextvars.Token | None = None
 
     def __enter__(self) -> Fusion:
@@ -449,13 +484,55 @@ class Fusion:
         return self.inputs + [op.out for op in self.ops]
 
     def _fresh_name(self) -> str:
-        return f"T{len(self.inputs) + len(self.ops)}"
+        """``T<n>``, n the tensor's position in definition order, or the next n whose name
+        no tensor has taken (an explicit ``name=`` may have taken it)."""
+        taken = {t.name for t in self.tensors}
+        n = len(self.tensors)
+        while f"T{n}" in taken:
+            n += 1
+        return f"T{n}"
 
-    def _check_name(self, name: str) -> str:
+    def _check_name(self, name: object) -> str:
+        """An explicit tensor name: an identifier that no tensor of the fusion has yet."""
         if not isinstance(name, str) or not _IDENT.fullmatch(name):
-            raise ScheduleError(f"tensor name must be a C identifier, got {name!r}")
+            raise ScheduleError(
+                f"tensor name must be an identifier (a letter or _, then letters, digits or "
+                f"_), got {name!r}"
+            )
         if any(t.name == name for t in self.tensors):
-            raise ScheduleError(f"tensor name {name!r} is used twice in Fusion {self.name}")
+            raise ScheduleError(
+                f"tensor name {name!r} is already taken in Fusion {self.name} (explicit "
+                "names must be unique, and automatic names T<n> skip the names taken); "
+                "choose another name"
+            )
+        return name
+
+    def _extent_name(self, tensor: str, axis: int, name: object,
+                     known: dict[str, bool]) -> str:
+        """The symbol of an input extent: ``name`` (the user's str), or for a free extent
+        (None) ``<tensor>_size<axis>``, suffixed ``_2``, ``_3``, ... while that is taken.
+        ``known`` maps the symbols so far to whether codegen made them (free); this adds
+        the result. A user's name may not be one made for a free extent: that would
+        silently tie the two sizes."""
+        if name is None:
+            base = candidate = f"{tensor}_size{axis}"
+            n = 2
+            while candidate in known:
+                candidate, n = f"{base}_{n}", n + 1
+            known[candidate] = True
+            return candidate
+        if not isinstance(name, str) or not _IDENT.fullmatch(name):
+            raise ScheduleError(
+                f"input {tensor}: extent name {name!r} (axis {axis}) must be an identifier "
+                "(a letter or _, then letters, digits or _)"
+            )
+        if known.get(name):
+            raise ScheduleError(
+                f"input {tensor}: extent name {name!r} (axis {axis}) is the name given to a "
+                "free extent (None) defined before it; naming it would tie the two sizes. "
+                "Choose another name, or give both axes one str name"
+            )
+        known[name] = False
         return name
 
     def clone(self) -> Fusion:
@@ -522,7 +599,7 @@ def input(  # noqa: A001 - the public API name is fixed by DESIGN.md
     ``device="cpu"`` declares it host-resident: the program copies what each slice reads
     to the GPU on that slice's stream (``evaluate`` then needs a CPU tensor there)."""
     fusion = current_fusion("input")
-    name = fusion._check_name(name or fusion._fresh_name())
+    name = fusion._fresh_name() if name is None else fusion._check_name(name)
     device = _check_device(device, f"input {name}")
     if dtype not in DTYPE_NAMES:
         raise ScheduleError(
@@ -532,9 +609,10 @@ def input(  # noqa: A001 - the public API name is fixed by DESIGN.md
     if isinstance(shape, (str, int)) or not isinstance(shape, Sequence):
         raise ScheduleError(f"input {name}: shape must be a list, got {shape!r}")
     ids = []
+    known = dict(fusion._symbols)  # committed only if the whole input is valid
     for d, e in enumerate(shape):
         if e is None:
-            extent: Expr = Sym(f"{name}_size{d}")
+            extent: Expr = Sym(fusion._extent_name(name, d, None, known))
         elif isinstance(e, bool):
             raise ScheduleError(f"input {name}: extent {d} must be int, str or None, got {e!r}")
         elif isinstance(e, int):
@@ -542,11 +620,7 @@ def input(  # noqa: A001 - the public API name is fixed by DESIGN.md
                 raise ScheduleError(f"input {name}: extent {d} must be >= 0, got {e}")
             extent = Const(e)
         elif isinstance(e, str):
-            if not _IDENT.fullmatch(e):
-                raise ScheduleError(
-                    f"input {name}: extent name {e!r} (axis {d}) must be an identifier"
-                )
-            extent = Sym(e)
+            extent = Sym(fusion._extent_name(name, d, e, known))
         else:
             raise ScheduleError(
                 f"input {name}: extent {d} must be int, str or None, got {e!r}"
@@ -554,6 +628,7 @@ def input(  # noqa: A001 - the public API name is fixed by DESIGN.md
         ids.append(IterDomain(extent))
     t = TensorView(name, dtype, ids, device=device)
     fusion.inputs.append(t)
+    fusion._symbols = known
     return t
 
 

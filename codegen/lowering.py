@@ -9,8 +9,8 @@ from __future__ import annotations
 import os
 import sys
 
+from . import distributed, passes
 from . import hostir as hir
-from . import passes
 from .errors import ScheduleError
 from .ir import Fusion
 
@@ -39,13 +39,18 @@ def lower(fusion: Fusion, *, pool_size: int = 4, gemm_sm_count: int = 0) -> hir.
         raise ScheduleError(f"Fusion {fusion.name} has no outputs; call cg.output(t)")
     dump = _dump_stages()
     work = fusion.clone()
-    for fusion_pass in passes.FUSION_PASSES:
-        work = fusion_pass(work)
+    if distributed.is_distributed(work):  # tensor parallel: its own analysis and lowering
         if "ir" in dump:
-            _dump(f"ir after {fusion_pass.__name__}", str(work))
-    segments = passes.segment(work)
-    plan = passes.plan_allocations(work, segments)
-    program = hir.verify(passes.build_host_program(work, segments, plan, pool_size))
+            _dump("ir (distributed)", str(work))
+        program = hir.verify(distributed.build_host_program(work, pool_size))
+    else:
+        for fusion_pass in passes.FUSION_PASSES:
+            work = fusion_pass(work)
+            if "ir" in dump:
+                _dump(f"ir after {fusion_pass.__name__}", str(work))
+        segments = passes.segment(work)
+        plan = passes.plan_allocations(work, segments)
+        program = hir.verify(passes.build_host_program(work, segments, plan, pool_size))
     program = program.replace(gemm_sm_count=gemm_sm_count)
     if "hostir" in dump:
         _dump("hostir after build_host_program", str(program))
@@ -59,6 +64,9 @@ def lower(fusion: Fusion, *, pool_size: int = 4, gemm_sm_count: int = 0) -> hir.
 def schedule(fusion: Fusion) -> Fusion:
     """The fusion after the fusion passes (propagated and validated), for printing."""
     work = fusion.clone()
+    if distributed.is_distributed(work):
+        distributed.analyze(work)  # validates; sets every tensor's mesh
+        return work
     for fusion_pass in passes.FUSION_PASSES:
         work = fusion_pass(work)
     return work

@@ -164,16 +164,24 @@ def propagate_stream_sharding(fusion: Fusion) -> Fusion:
     iteration groups, producer to consumer and back (breadth first, definition order).
 
     Before: the user scheduled some tensors (usually one output).
-    After: every tensor reachable through iteration groups from a scheduled tensor, and
+    After: every op output reachable through iteration groups from a scheduled tensor, and
     not scheduled itself, has the same split chain on its mapped axis, marked Stream.
     Contractions (a matmul's k) never carry a stream split: a producer split on what its
     consumer contracts stays with the producer.
+    A fusion input is never allocated, only viewed: each loop that reads it slices it the
+    way that loop's op is split. So a split passes *through* an input the user did not
+    schedule (on to the input's other consumers), and two consumers may read one input
+    split differently (``a @ w1`` by rows and ``a @ w2`` by columns are two loops). Such an
+    input shows a split in its loop domain only where every op reads it that one way. A
+    split the user put on an input stays a requirement (``check_stream_consistency``).
     """
-    queue = [tv for tv in fusion.tensors if tv.stream_id() is not None]
+    inputs = {id(tv) for tv in fusion.inputs}
+    queue: list[tuple[TensorView, StreamSplit]] = [
+        (tv, split) for tv in fusion.tensors if (split := stream_split(tv)) is not None
+    ]
+    passed: set[int] = set()  # unscheduled inputs a split already went through
     while queue:
-        src = queue.pop(0)
-        split = stream_split(src)
-        assert split is not None
+        src, split = queue.pop(0)
         for op in fusion.ops:
             operands = op.operands()
             for group in op.axis_groups()[:-1]:
@@ -181,18 +189,42 @@ def propagate_stream_sharding(fusion: Fusion) -> Fusion:
                     continue
                 for n, a in group:
                     dst = operands[n]
-                    if dst is src or dst.stream_id() is not None:
+                    if dst is src or dst.stream_id() is not None or id(dst) in passed:
+                        continue
+                    if id(dst) in inputs:
+                        passed.add(id(dst))
+                        queue.append((dst, _split_on(dst, a, split.chain)))
                         continue
                     replay_stream_split(dst, a, split)
-                    queue.append(dst)
+                    queue.append((dst, stream_split(dst)))
+    for tv in fusion.inputs:
+        if id(tv) in passed and (split := _uniform_read(fusion, tv)) is not None:
+            replay_stream_split(tv, split.axis, split)
     return fusion
 
 
+def _uniform_read(fusion: Fusion, tv: TensorView) -> StreamSplit | None:
+    """The split every op that reads ``tv`` slices it by (same axis, same chain), or None
+    when some op reads it whole or the ops slice it in different ways."""
+    reads: set[tuple[int, tuple[tuple[bool, int], ...]] | None] = set()
+    for op, name in consumers(fusion, tv):
+        out_split, axes = stream_split(op.out), dict(stream_group(op))
+        reads.add(None if out_split is None or name not in axes
+                  else (axes[name], out_split.chain))
+    if len(reads) != 1 or None in reads:
+        return None
+    ((axis, chain),) = reads
+    if [i for i in tv.logical if not i.is_reduction][axis] not in tv.loop:
+        return None  # the user split that axis (without a stream): leave their schedule
+    return _split_on(tv, axis, chain)
+
+
 def check_stream_consistency(fusion: Fusion) -> Fusion:
-    """Before: propagated schedules. After: every stream split on a fusion input is honoured
-    by each op that reads it (the op loops over the same dimension with the same splits);
-    otherwise raises ScheduleError. Intermediates need no check: a consumer that loops
-    differently reads the producer's whole result."""
+    """Before: propagated schedules. After: every stream split on a fusion input (only the
+    user puts one there: propagation passes through inputs) is honoured by each op that
+    reads it (the op loops over the same dimension with the same splits); otherwise raises
+    ScheduleError. Intermediates need no check: a consumer that loops differently reads the
+    producer's whole result."""
     for tv in fusion.inputs:
         split = stream_split(tv)
         if split is None:
@@ -347,6 +379,7 @@ def build_host_program(
     ShardByStream view for each sliced operand, compute nodes, deallocations. Streams
     and synchronization are added by the host-IR passes."""
     body: list[hir.Node] = []
+    tensor_names = {t.name for t in fusion.tensors}
     for si, seg in enumerate(segments):
         body += [hir.Allocate(_info(t)) for t in plan.allocate_before[si]]
         if seg.split is None:
@@ -363,8 +396,7 @@ def build_host_program(
                         names[n] = t.name
                         continue
                     if (t.name, axis) not in views:
-                        taken = set(views.values())
-                        view = f"{t.name}_i" if f"{t.name}_i" not in taken else f"{t.name}_i{axis}"
+                        view = _fresh_view_name(t.name, axis, tensor_names | set(views.values()))
                         views[(t.name, axis)] = view
                         # In t's own extent: operands tied by a constraint may spell
                         # one size differently.
@@ -385,12 +417,34 @@ def build_host_program(
     )
 
 
-def _chain_chunk(extent: Expr, chain: tuple[tuple[bool, int], ...]) -> Expr:
-    """Elements of the logical axis covered by one index of the last split's outer part:
-    the product of the inner extents along the chain."""
+def _fresh_view_name(tensor: str, axis: int, taken: set[str]) -> str:
+    """``T0_i`` (the slice of T0 in loop i), unless a tensor or another view of this loop
+    is named so already: then ``T0_i1`` (by axis), then ``T0_i1_2``, ``T0_i1_3``, ..."""
+    for name in (f"{tensor}_i", f"{tensor}_i{axis}"):
+        if name not in taken:
+            return name
+    n = 2
+    while f"{tensor}_i{axis}_{n}" in taken:
+        n += 1
+    return f"{tensor}_i{axis}_{n}"
+
+
+def _chain_extents(extent: Expr, chain: tuple[tuple[bool, int], ...]) -> tuple[Expr, Expr]:
+    """(count, chunk) of ``chain`` applied to an axis of ``extent``: the extent of the last
+    split's outer part, and the elements of the axis one index of it covers (the product of
+    the inner extents along the chain)."""
     chunk: Expr = Const(1)
     for inner_split, factor in chain:
         outer, inner = ((ceil_div(extent, Const(factor)), Const(factor)) if inner_split
                         else (Const(factor), ceil_div(extent, Const(factor))))
         chunk, extent = mul(chunk, inner), outer
-    return chunk
+    return extent, chunk
+
+
+def _chain_chunk(extent: Expr, chain: tuple[tuple[bool, int], ...]) -> Expr:
+    return _chain_extents(extent, chain)[1]
+
+
+def _split_on(tv: TensorView, axis: int, chain: tuple[tuple[bool, int], ...]) -> StreamSplit:
+    """The StreamSplit ``chain`` would give ``tv``'s shape axis ``axis``, without applying it."""
+    return StreamSplit(axis, chain, *_chain_extents(tv.shape[axis], chain))

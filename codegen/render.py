@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from . import distributed
 from . import hostir as hir
 from .errors import InternalError
 from .ir import CeilDiv, Const, Expr, Min, Mul, Sym
@@ -40,7 +41,7 @@ DTYPES: dict[torch.dtype, str] = {
 # program symbol (tensor, view, extent) spelled like one of these is renamed in the C++
 # (``op`` -> ``op_``); messages keep the user's spelling.
 _RESERVED = frozenset("""
-    op device device_guard gemms streams main_stream i j rt codegen_rt torch std
+    op device device_guard gemms streams main_stream group_name i j rt codegen_rt torch std
     alignas alignof and and_eq asm auto bitand bitor bool break case catch char char8_t
     char16_t char32_t class compl concept const consteval constexpr constinit const_cast
     continue co_await co_return co_yield decltype default delete do double dynamic_cast
@@ -51,7 +52,14 @@ _RESERVED = frozenset("""
     typedef typeid typename union unsigned using virtual void volatile wchar_t while xor
     xor_eq NULL EOF assert errno stdin stdout stderr int8_t int16_t int32_t int64_t
     uint8_t uint16_t uint32_t uint64_t size_t CG_CHECK TORCH_BOX
-""".split())
+    False None True as async await def del elif except finally from global import in is
+    lambda nonlocal pass raise with yield print Tensor str Any List Optional Scalar Device
+""".split())  # the last two lines: words torch's schema parser refuses as argument names
+
+# The op argument that names the process group of a program's collectives; torch names
+# the default group "0".
+GROUP_PARAM = "group_name"
+DEFAULT_GROUP = "0"
 
 # Suffixes of C++ names derived from a symbol (``T0_arg`` is the parameter of ``T0``).
 _DERIVED = ("_arg",)
@@ -79,6 +87,13 @@ def _environment() -> jinja2.Environment:
     )
 
 
+# Modules that cannot change a program's C++ (they build, run, time or show it); every
+# other module of the package is hashed into the op name, new ones included by default.
+# (build.py's flags key the build cache instead.)
+_NOT_SHAPING_CPP = frozenset({"build.py", "evaluator.py", "timeline.py", "demo.py",
+                              "__main__.py", "timing.py", "collectives.py"})
+
+
 def include_dir() -> Path:
     """The runtime headers (``codegen/include``), on the include path of every build."""
     return Path(__file__).resolve().parent / "include"
@@ -90,8 +105,9 @@ def _renderer_digest() -> str:
     the runtime headers and the package's modules (a change to a pass can change the
     program without changing the renderer)."""
     package = Path(__file__).resolve().parent
+    modules = [p for p in sorted(package.glob("*.py")) if p.name not in _NOT_SHAPING_CPP]
     files = [*sorted(template_dir().glob("*.j2")), *sorted(include_dir().rglob("*.h")),
-             *sorted(package.glob("*.py"))]
+             *modules]
     h = hashlib.sha256()
     for f in files:
         h.update(f.name.encode() + b"\0" + f.read_bytes() + b"\0")
@@ -220,15 +236,16 @@ def _stream(ref: hir.StreamRef, names: _Names) -> str:
 
 def _devices(program: hir.HostProgram) -> dict[str, str]:
     """Where each tensor value lives ("cuda" or "cpu"): inputs and allocations as
-    declared, a slice where its tensor is, a staging slot on the GPU."""
+    declared, a staging slot on the GPU, any other view (a slice, an unflattened block)
+    where the tensor it views is."""
     where = {t.name: t.device for t in program.inputs}
     for n in program.nodes():
         if isinstance(n, hir.Allocate):
             where[n.out.name] = n.out.device
-        elif isinstance(n, hir.ShardByStream):
-            where[n.out] = where[n.tensor]
-        elif isinstance(n, hir.StagingSlot):
-            where[n.out] = where[n.stage]
+            continue
+        viewed = getattr(n, "stage", None) or getattr(n, "tensor", None)
+        for d in n.defines():
+            where[d] = where.get(viewed, "cuda") if isinstance(viewed, str) else "cuda"
     return where
 
 
@@ -256,6 +273,10 @@ class _Statements:
                              and n.src in {t.name for t in program.inputs}}
         self.loops: list[str] = []
         self.out: list[dict[str, Any]] = []
+        # Per value: the tensor it views (a collective needs it) and its rank.
+        self.base: dict[str, str] = {}
+        self.rank = {t.name: len(t.shape) for t in program.inputs}
+        self.rank |= {name: len(t.shape) for name, t in self.allocations.items()}
 
     def emit(self, nodes: list[hir.Node], depth: int) -> None:
         for n in nodes:
@@ -323,8 +344,40 @@ class _Statements:
                 "stop": self.names.expr(n.stop)}
 
     def ShardByStream(self, n: hir.ShardByStream) -> dict[str, Any]:
+        self._view(n.out, n.tensor, self.rank[n.tensor])
         return {"out": self.names(n.out), "tensor": self.names(n.tensor), "axis": n.axis,
                 "index": n.index, "chunk": self.names.expr(n.chunk)}
+
+    def _view(self, out: str, tensor: str, rank: int) -> None:
+        self.base[out] = self.base.get(tensor, tensor)
+        self.rank[out] = rank
+
+    def Unflatten(self, n: distributed.Unflatten) -> dict[str, Any]:
+        self._view(n.out, n.tensor, self.rank[n.tensor] + 1)
+        return {"out": self.names(n.out), "tensor": self.names(n.tensor), "axis": n.axis,
+                "outer": self.names.expr(n.sizes[0]), "inner": self.names.expr(n.sizes[1])}
+
+    def CheckDivisible(self, n: distributed.CheckDivisible) -> dict[str, Any]:
+        size = f"{self.names(n.tensor)}.size({n.axis})"
+        return {"cond": f"{size} % {n.divisor} == 0", "message": _message(
+            f": argument {n.tensor} axis {n.axis} must have a size divisible by {n.divisor} "
+            f"({n.reason}), got ", f"{{{size}}}", " (shape ",
+            f"{{{self.names(n.tensor)}.shape()}}", ")")}
+
+    def Communication(self, n: distributed.Communication) -> dict[str, Any]:
+        def tensor(name: str, merge: bool) -> str:
+            base = self.names(self.base.get(name, name))
+            flag = ", /*merge_leading=*/true" if merge else ""
+            return f"rt::as_tensor({base}, {self.names(name)}, op{flag})"
+
+        stacked_out = self.rank[n.output] == self.rank[n.input] + 1
+        stacked_in = self.rank[n.input] == self.rank[n.output] + 1
+        return {"out": self.names(n.out), "collective": f"rt::Collective::{n.kind.value}",
+                "input": tensor(n.input, stacked_in), "output": tensor(n.output, stacked_out),
+                "size": len(n.team)}
+
+    def Wait(self, n: distributed.Wait) -> dict[str, Any]:
+        return {"communication": self.names(n.communication)}
 
     def Matmul(self, n: hir.Matmul) -> dict[str, Any]:
         return {"out": self.names(n.out), "a": self.names(n.a), "b": self.names(n.b),
@@ -344,22 +397,22 @@ def prepare(program: hir.HostProgram) -> dict[str, Any]:
     statements = _Statements(program, names)
     statements.emit(program.body, 1)
     outs = [names(o) for o in program.outputs]
-    kinds = {type(n) for n in program.nodes()}
+    # Programs with collectives take the process group's name (resolved when called).
+    communicates = any(isinstance(n, distributed.Communication) for n in program.nodes())
+    group_param = [f"std::string {GROUP_PARAM}"] if communicates else []
+    group_schema = [f"str {GROUP_PARAM}='{DEFAULT_GROUP}'"] if communicates else []
+    # Programs with host tensors keep their pinned ones (rt::HostTensors, host.h).
     host = any(t.device == "cpu" for t in [*program.inputs, *statements.allocations.values()])
     return {
-        # The runtime headers the program uses (gemm.h, stream.h, tensor.h: every one).
-        "copies": bool(kinds & {hir.Copy, hir.StagingSlot}),
         "host": host,
-        # Programs with a stream loop get `streams` from GetCurrentStream; others need
-        # it too (the caller's stream, for their GEMMs and copies).
-        "declare_streams": hir.GetCurrentStream not in kinds,
         "program": program.name,  # the C++ function and the prefix of its messages
         "namespace": NAMESPACE,
         "op_name": op_name(program),
         "signature": program.signature().removesuffix(":"),
-        "params": ", ".join(f"torch::stable::Tensor {names(t.name)}_arg"
-                            for t in program.inputs),
-        "schema_args": ", ".join(f"Tensor {t.name}" for t in program.inputs),
+        "params": ", ".join([f"torch::stable::Tensor {names(t.name)}_arg"
+                             for t in program.inputs] + group_param),
+        "schema_args": ", ".join([f"Tensor {names(t.name)}" for t in program.inputs]
+                                 + group_schema),
         "schema_returns": "Tensor" if len(outs) == 1 else f"({', '.join(['Tensor'] * len(outs))})",
         "return_type": "torch::stable::Tensor" if len(outs) == 1
         else f"std::tuple<{', '.join(['torch::stable::Tensor'] * len(outs))}>",
@@ -374,4 +427,11 @@ def prepare(program: hir.HostProgram) -> dict[str, Any]:
 
 def render(program: hir.HostProgram) -> str:
     """The C++ translation unit of ``program`` (deterministic)."""
-    return _environment().get_template("program.cpp.j2").render(**prepare(program))
+    data = prepare(program)
+    schema = f"{data['op_name']}({data['schema_args']}) -> {data['schema_returns']}"
+    try:  # a schema torch refuses would abort the process when the library loads
+        torch._C.parse_schema(schema)
+    except RuntimeError as e:
+        raise InternalError(f"{program.name}: the op schema {schema!r} does not parse: "
+                            f"{e}") from None
+    return _environment().get_template("program.cpp.j2").render(**data)

@@ -13,7 +13,7 @@ from helpers import stream_matmul_columns
 import codegen as cg
 from codegen.__main__ import CSRC_GEN, stale_goldens
 from codegen.build import BuildError, build_library
-from codegen.examples import EXAMPLES
+from codegen.examples import DISTRIBUTED_EXAMPLES, EXAMPLES
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -192,3 +192,14 @@ def test_two_outputs_and_an_op_outside_any_loop_build(cache_dir):
     o1, o2 = op(torch.empty(5, 3, device="meta"), torch.empty(3, 4, device="meta"),
                 torch.empty(4, 2, device="meta"))
     assert o1.shape == (5, 4) and o2.shape == (5, 2)
+
+
+@pytest.mark.parametrize("name", sorted(DISTRIBUTED_EXAMPLES))
+def test_distributed_example_builds_and_gives_shapes(cache_dir, name):
+    ex = DISTRIBUTED_EXAMPLES[name]
+    op = cg.compile(ex.make())
+    assert "str group_name" in str(op.op.default._schema)
+    args = [torch.empty(s, device="meta", dtype=torch.bfloat16) for s in ex.shapes]
+    out = op.op(*args)  # torch.ops directly, the default group's name
+    rows = 2 * 16 if name.startswith("allgather") else 16 // 2
+    assert out.shape == (rows, 24) and out.dtype == torch.bfloat16

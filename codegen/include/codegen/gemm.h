@@ -177,10 +177,21 @@ inline void gemm_cublas(int n, int m, int k, const Operand& oa, const Operand& o
 
 // ---- the program's GEMMs ------------------------------------------------------------
 
-// One call's GEMMs: the types and flags are read once per call; each GEMM on a worker
-// stream runs as one cublasLtMatmul from a cached plan (gemm_plan.h) with that stream's
-// workspace, else (the caller's stream, graph capture of a shape never planned, a bias
-// cuBLASLt cannot fuse, an empty contraction) through cublasGemmEx.
+// cuBLASLt plans are opt-in until they have run on a GPU: CODEGEN_CUBLASLT=1 turns them
+// on (read once per process); by default every GEMM goes through cublasGemmEx.
+inline bool cublaslt_enabled() {
+  static const bool enabled = [] {
+    const char* v = std::getenv("CODEGEN_CUBLASLT");
+    return v != nullptr && v[0] == '1';
+  }();
+  return enabled;
+}
+
+// One call's GEMMs: the types and flags are read once per call. With CODEGEN_CUBLASLT=1,
+// each GEMM on a worker stream runs as one cublasLtMatmul from a cached plan
+// (gemm_plan.h) with that stream's workspace, a bias fused as its epilogue; otherwise (by
+// default, the caller's stream, graph capture of a shape never planned, a bias cuBLASLt
+// cannot fuse, an empty contraction) through cublasGemmEx, a bias by a rank-1 GEMM.
 class Gemms {
  public:
   Gemms(DType dtype, int32_t device, int sm_count, const char* op)
@@ -222,7 +233,7 @@ class Gemms {
       }
       return;
     }
-    if (K > 0 && stream.workspace != nullptr && fusable(bias)) {
+    if (K > 0 && stream.workspace != nullptr && cublaslt_enabled() && fusable(bias)) {
       int64_t rows = M, batch = batches;
       const int64_t sa = a.dim == 3 ? a.strides[0] : 0, sb = b.dim == 3 ? b.strides[0] : 0;
       const int64_t sc = c.dim == 3 ? c.strides[0] : 0;

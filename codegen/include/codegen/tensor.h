@@ -174,6 +174,20 @@ inline View shard(View v, int axis, int64_t index, int64_t chunk) {
   return v;
 }
 
+// Axis `axis` of `v` viewed as [outer, inner] (torch.unflatten).
+inline View unflatten(View v, int axis, int64_t outer, int64_t inner) {
+  for (int d = v.dim; d > axis + 1; --d) {
+    v.sizes[d] = v.sizes[d - 1];
+    v.strides[d] = v.strides[d - 1];
+  }
+  v.sizes[axis] = outer;
+  v.sizes[axis + 1] = inner;
+  v.strides[axis + 1] = v.strides[axis];
+  v.strides[axis] = v.strides[axis] * inner;
+  ++v.dim;
+  return v;
+}
+
 // The last two dims swapped: linear's weight [n, k] read as [k, n].
 inline View transposed(View v) {
   std::swap(v.sizes[v.dim - 2], v.sizes[v.dim - 1]);

@@ -1,0 +1,317 @@
+"""The benchmark scripts without a GPU: their pure-Python parts (round orders, medians of
+per-round ratios, row fields, case selection), their command lines (--help, --dry-run),
+the programs they time (through the evaluator), and the launch-floor probe's build."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import ints
+
+import codegen as cg
+
+REPO = Path(__file__).resolve().parent.parent
+BENCH = REPO / "benchmarks"
+sys.path.insert(0, str(BENCH))
+
+import bench_build as bb  # noqa: E402
+import bench_matmul as bm  # noqa: E402
+import interleave as il  # noqa: E402
+import launch_floor  # noqa: E402
+
+
+def run_script(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, cwd=REPO,
+                          env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})},
+                          timeout=120)
+
+
+# ---------------------------------------------------------------------------- interleave
+
+
+def test_rotation_puts_every_variant_in_every_position_once():
+    names = ["gemm", "loop/s1", "op/s1", "graph/s1"]
+    orders = [il.rotated(names, r) for r in range(len(names))]
+    for position in range(len(names)):
+        assert sorted(o[position] for o in orders) == sorted(names)
+    assert all(sorted(o) == sorted(names) for o in orders)
+    assert il.rotated(names, len(names)) == names
+    assert il.rotated([], 3) == []
+
+
+def test_ratio_is_median_of_per_round_ratios_not_ratio_of_medians():
+    # Round times where the two summaries differ: medians 2.0 / 2.0 = 1.0, but the
+    # per-round ratios are 1.0, 1.5, 3.0 (median 1.5).
+    num = [1.0, 3.0, 6.0]
+    den = [1.0, 2.0, 2.0]
+    fields = il.ratio_fields("op_ratio", num, den)
+    assert fields["op_ratio"] == 1.5
+    assert fields["op_ratio_range"] == [1.0, 3.0]
+    q1, q3 = fields["op_ratio_iqr"]
+    assert q1 == 1.25 and q3 == 2.25  # inclusive quartiles of [1, 1.5, 3]
+
+
+def test_ratio_rounds_must_pair_up():
+    with pytest.raises(ValueError, match="same rounds"):
+        il.per_round_ratios([1.0, 2.0], [1.0])
+    with pytest.raises(ValueError, match="<= 0"):
+        il.per_round_ratios([1.0], [0.0])
+
+
+def test_spread_of_one_value_and_of_even_counts():
+    assert il.spread([2.0]) == {"median": 2.0, "q1": 2.0, "q3": 2.0, "min": 2.0, "max": 2.0}
+    s = il.spread([4.0, 1.0, 3.0, 2.0])
+    assert (s["median"], s["min"], s["max"]) == (2.5, 1.0, 4.0)
+    assert s["q1"] == 1.75 and s["q3"] == 3.25
+    with pytest.raises(ValueError):
+        il.spread([])
+
+
+def test_reps_for_targets_block_time_within_bounds():
+    assert il.reps_for(1.5, 15.0, 3, 200) == 10
+    assert il.reps_for(3.1, 15.0, 3, 200) == 5
+    assert il.reps_for(10.0, 15.0, 3, 200) == 3  # at least min_reps
+    assert il.reps_for(0.001, 15.0, 3, 200) == 200  # at most max_reps
+    assert il.reps_for(0.0, 15.0, 3, 200) == 3
+    with pytest.raises(ValueError):
+        il.reps_for(1.0, 15.0, 5, 4)
+
+
+def test_parse_shape_and_ints():
+    assert il.parse_shape("2048") == (2048, 2048, 2048)
+    assert il.parse_shape("8192^3") == (8192, 8192, 8192)
+    assert il.parse_shape("16384x8192x1024") == (16384, 8192, 1024)
+    for bad in ("12x", "0", "axbxc", "1x2"):
+        with pytest.raises(ValueError, match="shape"):
+            il.parse_shape(bad)
+    assert il.parse_ints("1,4", "--slices") == (1, 4)
+    with pytest.raises(ValueError, match="--slices"):
+        il.parse_ints("0,2", "--slices")
+
+
+# ---------------------------------------------------------------------------- bench_matmul
+
+
+def test_default_cases_are_the_table_plus_linear_bias():
+    labels = [c.label for c in bm.CASES]
+    for shape in ("8192x8192x8192", "4096x4096x4096", "2048x2048x2048", "1024x1024x1024",
+                  "16384x8192x1024", "256x4096x4096"):
+        assert f"matmul bf16 {shape}" in labels
+    assert "matmul fp16 8192x8192x8192" in labels
+    assert "matmul fp32/tf32 8192x8192x8192" in labels
+    assert "linear+bias bf16 8192x8192x8192" in labels
+    assert len(labels) == len(set(labels)) == 9
+    assert bm.SLICES == (1, 2, 4, 8)
+
+
+def test_select_cases():
+    pick = lambda spec: [c.label for c in bm.select_cases(bm.CASES, spec)]  # noqa: E731
+    assert pick("2048") == ["matmul bf16 2048x2048x2048"]
+    assert pick("linear") == ["linear+bias bf16 8192x8192x8192"]
+    assert pick("fp32") == ["matmul fp32/tf32 8192x8192x8192"]
+    assert len(pick("8192")) == 4  # bf16, fp16, fp32 matmul and linear+bias
+    assert pick("matmul:bf16:8192") == ["matmul bf16 8192x8192x8192"]
+    assert pick("256x4096x4096,1024") == ["matmul bf16 1024x1024x1024",
+                                          "matmul bf16 256x4096x4096"]
+    with pytest.raises(ValueError, match="matches no case"):
+        bm.select_cases(bm.CASES, "fp16:2048")
+    with pytest.raises(ValueError, match="unknown word"):
+        bm.select_cases(bm.CASES, "int8")
+
+
+def fake_rounds(slices, rounds=5):
+    """Per-round times (ms) where op is 1.1x gemm and loop 1.2x in every round, while the
+    gemm itself drifts by 10% over the rounds."""
+    gemm = [1.0 + 0.1 * r / rounds for r in range(rounds)]
+    times = {"gemm": gemm}
+    for s in slices:
+        times[f"loop/s{s}"] = [1.2 * g for g in gemm]
+        times[f"op/s{s}"] = [1.1 * g for g in gemm]
+        times[f"graph/s{s}"] = [1.05 * g for g in gemm]
+    return times
+
+
+def test_summarize_row_fields_and_values():
+    case = bm.Case("matmul", "bf16", (64, 32, 16))
+    times = fake_rounds([1, 4])
+    variants = list(times)
+    host = {v: 10.0 + i for i, v in enumerate(variants)}
+    host_samples = {v: [h + 5.0, h - 1.0, h, h + 0.5, h - 0.5] for v, h in host.items()}
+    errors = {v: 1e-3 for v in variants if v != "gemm"}
+    reps = {v: 7 for v in variants}
+    row = bm.summarize(case, 4, times, host_samples, errors, reps)
+    assert set(bm.ROW_FIELDS) <= set(row)
+    for old in ("shape", "dtype", "slices", "gemm_ms", "loop_ms", "op_ms", "op_host_us"):
+        assert old in row
+    assert row["shape"] == [64, 32, 16] and row["slices"] == 4 and row["kind"] == "matmul"
+    assert row["op_ratio"] == pytest.approx(1.1)
+    assert row["loop_ratio"] == pytest.approx(1.2)
+    assert row["graph_ratio"] == pytest.approx(1.05)
+    assert row["op_loop_ratio"] == pytest.approx(1.1 / 1.2)
+    assert row["op_ratio_range"] == pytest.approx([1.1, 1.1])
+    assert row["gemm_ms"] == pytest.approx(1.04)
+    assert row["op_host_us"] == host["op/s4"] and row["gemm_host_us"] == host["gemm"]
+    assert row["graph_host_us"] == host["graph/s4"]
+    assert row["op_host_us_iqr"] == [host["op/s4"] - 0.5, host["op/s4"] + 0.5]
+    assert row["host_samples"] == 5
+    assert row["op_host_us_per_extra_slice"] == pytest.approx(
+        (host["op/s4"] - host["op/s1"]) / 3)
+    assert bm.summarize(case, 1, times, host_samples, errors,
+                        reps)["op_host_us_per_extra_slice"] is None
+    assert row["rounds"] == 5
+    assert row["reps"] == {"gemm": 7, "loop": 7, "op": 7, "graph": 7}
+    assert row["op_tflops"] == pytest.approx(2 * 64 * 32 * 16 / (1.1 * 1.04) / 1e9)
+    json.dumps(row)  # plain data
+    text = bm.table([row])
+    assert "matmul bf16 64x32x16" in text and "1.100 [1.100,1.100]" in text
+
+
+def test_estimate_fits_the_device_budget():
+    """The default run's timed part stays in the 4-5 minute budget (under 8 with start-up)."""
+    seconds = bm.estimate_s(bm.CASES, bm.SLICES, bm.Config())
+    assert 120 < seconds < 300
+    assert bm.estimate_s(bm.QUICK_CASES, bm.QUICK_SLICES, bm.QUICK_CONFIG) < 30
+
+
+@pytest.mark.parametrize("kind", bm.KINDS)
+@pytest.mark.parametrize("slices", [1, 3])
+def test_benchmarked_programs_match_torch(kind, slices):
+    """The programs the benchmark times compute what their torch baselines compute."""
+    fusion = bm.make_fusion(kind, "fp32/tf32", slices)
+    m, n, k = 7, 5, 6
+    if kind == "matmul":
+        xs = [ints(m, k), ints(k, n)]
+        ref = xs[0] @ xs[1]
+    else:
+        xs = [ints(m, k), ints(n, k), ints(n)]
+        ref = torch.nn.functional.linear(*xs)
+    (out,) = cg.evaluate(cg.lower(fusion), xs)
+    assert torch.equal(out, ref)
+    assert cg.lower(fusion).name == bm.program_name(kind, "fp32/tf32", slices)
+
+
+def test_program_names_differ_per_kind_dtype_and_slices():
+    names = {bm.program_name(k, d, s) for k in bm.KINDS for d in bm.DTYPES for s in bm.SLICES}
+    assert len(names) == len(bm.KINDS) * len(bm.DTYPES) * len(bm.SLICES)
+    with pytest.raises(ValueError, match="kind"):
+        bm.make_fusion("conv", "bf16", 1)
+
+
+def test_bench_matmul_help_and_dry_run_without_gpu():
+    done = run_script("benchmarks/bench_matmul.py", "--help")
+    assert done.returncode == 0, done.stderr
+    assert "--quick" in done.stdout and "--shapes" in done.stdout and "--rounds" in done.stdout
+    done = run_script("benchmarks/bench_matmul.py", "--dry-run")
+    assert done.returncode == 0, done.stderr
+    assert "9 cases" in done.stdout and "13 variants per round" in done.stdout
+    assert "linear+bias bf16 8192x8192x8192" in done.stdout
+    done = run_script("benchmarks/bench_matmul.py", "--quick", "--shapes", "linear",
+                      "--slices", "2", "--rounds", "3", "--dry-run")
+    assert done.returncode == 0, done.stderr
+    assert "1 cases x S in [2]" in done.stdout and "rounds 3" in done.stdout
+    done = run_script("benchmarks/bench_matmul.py", "--shapes", "int8", "--dry-run")
+    assert done.returncode == 2 and "unknown word 'int8'" in done.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message shown without a GPU")
+def test_bench_matmul_without_gpu_says_so():
+    done = run_script("benchmarks/bench_matmul.py", "--quick", "--no-floor")
+    assert done.returncode == 1 and "needs a CUDA GPU" in done.stderr
+
+
+# ---------------------------------------------------------------------------- launch floor
+
+
+def test_launch_floor_probe_builds_without_gpu(cache_dir):
+    """The C++ probe compiles and registers its op here (it runs only on a GPU); built in
+    the session's cache, so ninja rebuilds it only when the source changed."""
+    home = launch_floor.cuda_home()
+    if home is None:
+        pytest.skip("no CUDA toolkit with headers here: the probe cannot be built")
+    try:
+        launch_floor.cublaslt_include_dirs(home)
+    except launch_floor.ProbeUnavailable as e:
+        pytest.skip(str(e))
+    launch_floor.build(cache_dir / launch_floor.NAME)
+    assert hasattr(torch.ops.bench_probe, "launch_floor_ns")
+    schema = str(torch.ops.bench_probe.launch_floor_ns.default._schema)
+    assert "int iters" in schema and "-> float" in schema
+
+
+# ---------------------------------------------------------------------------- bench_build
+
+
+def test_build_child_reports_json_line():
+    out = "codegen: built x in 2.0 s\nnoise\n" + bb.MARK + json.dumps({"compile_s": 1.5})
+    assert bb.parse_child(out) == {"compile_s": 1.5}
+    with pytest.raises(RuntimeError, match="no result line"):
+        bb.parse_child("Traceback ...")
+
+
+def test_build_programs_are_new_and_distinct():
+    names = [bb.program(i)[2] for i in range(4)]
+    assert len(set(names)) == 4
+    slices = [bb.program(i)[1] for i in range(4)]
+    assert len(set(slices)) == 4
+
+
+def test_build_summary_and_table():
+    results = {
+        "first": {"compile_s": 14.0, "wall_s": 16.5, "import_s": 2.0},
+        "cold": [{"compile_s": s, "wall_s": s + 2.0, "import_s": 2.0, "slices": i + 2}
+                 for i, s in enumerate((3.2, 2.8, 2.9))],
+        "warm": [{"compile_s": s, "wall_s": 2.1, "import_s": 2.0} for s in (0.03, 0.02, 0.04)],
+    }
+    summary = bb.summarize(results)
+    assert summary["first_program_s"] == 14.0
+    assert summary["cold_build_median_s"] == 2.9
+    assert summary["warm_load_median_s"] == 0.03
+    assert summary["warm_wall_median_s"] == 2.1
+    assert summary["targets"] == {"first_program_s <= 20": True,
+                                  "cold_build_median_s <= 3": True,
+                                  "warm_load_median_s <= 0.05": True}
+    text = bb.table(results, summary)
+    assert "cold build, new program" in text and "2.900" in text and "MISSED" not in text
+    results["cold"][1]["compile_s"] = 3.5
+    results["cold"][2]["compile_s"] = 3.1
+    summary = bb.summarize(results)
+    assert summary["cold_build_median_s"] == 3.2
+    assert not summary["targets"]["cold_build_median_s <= 3"]
+    assert "cold_build_median_s <= 3: MISSED" in bb.table(results, summary)
+
+
+def test_bench_build_help_and_dry_run():
+    done = run_script("benchmarks/bench_build.py", "--help")
+    assert done.returncode == 0, done.stderr
+    assert "--programs" in done.stdout
+    done = run_script("benchmarks/bench_build.py", "--dry-run")
+    assert done.returncode == 0, done.stderr
+    assert "first program" in done.stdout and "cold build" in done.stdout
+    assert "warm load" in done.stdout
+
+
+def test_overlap_cases_cover_s_1_d_2d_4d_and_local_shapes():
+    import bench_overlap as bo
+
+    cases = bo.cases(2, (8192, 1024), 8192, 28672, None)
+    assert {c["slices"] for c in cases} == {1, 2, 4, 8}
+    assert {c["pattern"] for c in cases} == set(bo.PATTERNS)
+    ag = next(c for c in cases if c["pattern"] == "allgather_matmul" and c["shape"][0] == 8192)
+    rs = next(c for c in cases if c["pattern"] == "matmul_reduce_scatter")
+    assert bo.local_shapes(ag) == ((4096, 8192), (8192, 14336))
+    assert bo.local_shapes(rs) == ((rs["shape"][0], 4096), (4096, 28672))
+    # every rank's block splits evenly into the slices
+    assert all(c["shape"][0] % (c["world_size"] * c["slices"]) == 0 for c in cases)
+
+
+def test_overlap_dry_run_needs_no_gpu():
+    out = subprocess.run([sys.executable, str(BENCH / "bench_overlap.py"), "--dry-run",
+                          "--world-size", "4"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "allgather_matmul 4 [8192, 8192, 28672] 16" in out.stdout
