@@ -76,7 +76,8 @@ def main(argv: list[str] | None = None) -> int:
     s = sub.add_parser("show", help="print one stage of a bundled example")
     s.add_argument("example", choices=sorted(EXAMPLES))
     s.add_argument("--stage", choices=("ir", "hostir", "cpp"), default="hostir")
-    t = sub.add_parser("timeline", help="profile an example on the GPU; draw its streams")
+    t = sub.add_parser("timeline", help="profile an example on the GPU; draw its streams; "
+                                        "for host copies, print how much the GEMMs hid")
     t.add_argument("example", choices=sorted(EXAMPLES))
     t.add_argument("--out", type=Path, default=Path("timeline.png"))
     t.add_argument("--size", type=int, default=4096)
@@ -95,8 +96,10 @@ def main(argv: list[str] | None = None) -> int:
         return run_demo(args.size, args.slices)
     from .timeline import draw_timeline
 
-    path = draw_timeline(args.example, args.out, size=args.size)
+    path, report = draw_timeline(args.example, args.out, size=args.size)
     print(f"wrote {path}")
+    if report:
+        print(report)
     return 0
 
 

@@ -25,6 +25,11 @@ class Example:
     make: Callable[[], Fusion]
     shapes: tuple[tuple[int, ...], ...]  # input shapes for a small test
 
+    def devices(self, gpu: str = "cuda") -> list[str]:
+        """Where each input of a test call lives: ``gpu`` (e.g. "cuda" or "meta") for
+        inputs on the GPU, "cpu" for those declared in host memory (device="cpu")."""
+        return ["cpu" if t.device == "cpu" else gpu for t in self.make().inputs]
+
 
 def stream_matmul_n(m: int = 5, k: int = 7, n: int = 6, slices: int = 3) -> Fusion:
     """nvFuser's StreamTest.Matmul: [5, 7] @ [7, 6], output columns in 3 stream slices."""
@@ -207,9 +212,8 @@ def matmul_reduce_scatter(dtype: torch.dtype, slices: int, world_size: int,
     return fusion
 
 
-# stream_weights, offload_activations, allgather_matmul and matmul_reduce_scatter are
-# not registered here yet: this table is also the list of csrc_gen/ goldens, and the
-# C++ renderer has no Copy or Communication yet.
+# The examples that run on one device, each with its csrc_gen/ golden (the distributed
+# ones, DISTRIBUTED_EXAMPLES below, need a process group).
 EXAMPLES: dict[str, Example] = {
     e.name: e
     for e in (
@@ -224,6 +228,11 @@ EXAMPLES: dict[str, Example] = {
                 two_matmuls_not_inlinable, ((19, 8), (8, 12), (12, 5))),
         Example("linear_bias", linear_bias.__doc__ or "", linear_bias, ((9, 16), (30, 16), (30,))),
         Example("batched", batched.__doc__ or "", batched, ((6, 5, 7), (6, 7, 3))),
+        # Ragged in the split dimension (13 = 8 + 5 in 8 slices of 2: three are empty).
+        Example("stream_weights", stream_weights.__doc__ or "", stream_weights,
+                ((9, 16), (16, 13))),
+        Example("offload_activations", offload_activations.__doc__ or "",
+                offload_activations, ((13, 16), (16, 10))),
     )
 }
 

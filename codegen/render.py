@@ -189,11 +189,22 @@ def _message(*parts: str) -> str:
 
 
 def _input_checks(program: hir.HostProgram, names: _Names) -> dict[str, Any]:
-    first = program.inputs[0].name
-    inputs = [{"name": names(t.name), "arg": _cstr(t.name), "dtype": DTYPES[t.dtype],
-               "rank": len(t.shape), "type": _cstr(t.type_str())} for t in program.inputs]
+    """Inputs on the GPU are checked first (``rt::input``: CUDA tensors, all on one
+    device, which is the op's device); then host inputs (``rt::host_input``: CPU tensors,
+    pinned or pageable, see codegen/include/codegen/host.h). With no GPU input the op
+    runs on the current CUDA device, as the evaluator does (``program_device``)."""
+    def spec(t: hir.TensorInfo) -> dict[str, Any]:
+        return {"name": names(t.name), "arg": _cstr(t.name), "dtype": DTYPES[t.dtype],
+                "rank": len(t.shape), "type": _cstr(t.type_str())}
+
+    on_gpu = [t for t in program.inputs if t.device == "cuda"]
+    inputs = [spec(t) for t in on_gpu]
+    host_inputs = [spec(t) for t in program.inputs if t.device == "cpu"]
+    first = on_gpu[0].name if on_gpu else ""
+    device = (f"{names(first)}.device" if on_gpu
+              else "torch::stable::accelerator::getCurrentDeviceIndex()")
     same_device = [{"name": names(t.name), "arg": _cstr(t.name), "first": names(first),
-                    "first_arg": _cstr(first)} for t in program.inputs[1:]]
+                    "first_arg": _cstr(first)} for t in on_gpu[1:]]
     dims: list[dict[str, str]] = []
     for c in hir.dim_checks(program):
         size = f"{names(c.tensor)}.size({c.axis})"
@@ -212,7 +223,8 @@ def _input_checks(program: hir.HostProgram, names: _Names) -> dict[str, Any]:
             f": {k.what} must have equal sizes, got {k.lhs} = ", f"{{{lhs}}}",
             f" and {k.rhs} = ", f"{{{rhs}}}")})
     layouts = [{"name": names(t.name), "arg": _cstr(t.name)} for t in program.inputs]
-    return {"inputs": inputs, "same_device": same_device, "dims": dims, "layouts": layouts}
+    return {"inputs": inputs, "host_inputs": host_inputs, "device": device,
+            "same_device": same_device, "dims": dims, "layouts": layouts}
 
 
 def _stream(ref: hir.StreamRef, names: _Names) -> str:
@@ -222,12 +234,44 @@ def _stream(ref: hir.StreamRef, names: _Names) -> str:
     return f"streams.worker({index})"
 
 
+def _devices(program: hir.HostProgram) -> dict[str, str]:
+    """Where each tensor value lives ("cuda" or "cpu"): inputs and allocations as
+    declared, a staging slot on the GPU, any other view (a slice, an unflattened block)
+    where the tensor it views is."""
+    where = {t.name: t.device for t in program.inputs}
+    for n in program.nodes():
+        if isinstance(n, hir.Allocate):
+            where[n.out.name] = n.out.device
+            continue
+        viewed = getattr(n, "stage", None) or getattr(n, "tensor", None)
+        for d in n.defines():
+            where[d] = where.get(viewed, "cuda") if isinstance(viewed, str) else "cuda"
+    return where
+
+
+# (source, destination) residency -> the cudaMemcpyKind of a Copy.
+_COPY_KINDS = {("cpu", "cuda"): "cudaMemcpyHostToDevice",
+               ("cuda", "cpu"): "cudaMemcpyDeviceToHost"}
+
+
 class _Statements:
-    """Flattens the host program into statements with indentation and node fields."""
+    """Flattens the host program into statements with indentation and node fields.
+
+    A node's method returns its fields; a ``kind`` among them picks another macro than
+    the node's class name (the variants of Allocate). ``range`` fields name the NVTX
+    range of a statement that queues GPU work: the program, the index of the loop it is
+    in (the innermost) and its host-IR line."""
 
     def __init__(self, program: hir.HostProgram, names: _Names) -> None:
         self.program, self.names = program, names
         self.allocations = program.allocations()
+        self.devices = _devices(program)
+        self.stages = {n.stage for n in program.nodes() if isinstance(n, hir.StagingSlot)}
+        # A GPU tensor that receives a host input whole takes that input's memory order.
+        self.copied_whole = {n.out: n.src for n in program.nodes()
+                             if isinstance(n, hir.Copy) and n.out in self.allocations
+                             and n.src in {t.name for t in program.inputs}}
+        self.loops: list[str] = []
         self.out: list[dict[str, Any]] = []
         # Per value: the tensor it views (a collective needs it) and its rank.
         self.base: dict[str, str] = {}
@@ -237,16 +281,51 @@ class _Statements:
     def emit(self, nodes: list[hir.Node], depth: int) -> None:
         for n in nodes:
             fields = getattr(self, type(n).__name__)(n)
-            self.out.append({"kind": type(n).__name__, "hir": str(n),
-                             "indent": "  " * depth, **fields})
+            kind = fields.pop("kind", type(n).__name__)
+            self.out.append({"kind": kind, "hir": str(n), "indent": "  " * depth, **fields})
             if isinstance(n, hir.ForLoop):
+                self.loops.append(n.index)
                 self.emit(n.body, depth + 1)
+                self.loops.pop()
                 self.out.append({"kind": "EndFor", "hir": "", "indent": "  " * depth})
 
+    def range(self, n: hir.Node) -> str:
+        """The arguments of the statement's ``rt::Range`` (codegen/include/codegen/nvtx.h)."""
+        if self.loops:
+            index = self.loops[-1]
+            return f"op, {_cstr(index)}, {index}, {_cstr(str(n))}"
+        return f"op, {_cstr(str(n))}"
+
     def Allocate(self, n: hir.Allocate) -> dict[str, Any]:
-        return {"out": self.names(n.out.name),
-                "sizes": [self.names.expr(e) for e in n.out.shape],
-                "dtype": DTYPES[n.out.dtype]}
+        fields: dict[str, Any] = {"out": self.names(n.out.name),
+                                  "sizes": [self.names.expr(e) for e in n.out.shape],
+                                  "dtype": DTYPES[n.out.dtype]}
+        if n.out.device == "cpu":
+            if not n.pinned:
+                raise InternalError(f"{n}: host allocations are pinned (host outputs); "
+                                    "no C++ for pageable ones\n{self.program}")
+            return {**fields, "kind": "AllocatePinned"}
+        if n.out.name in self.stages:
+            return {**fields, "kind": "AllocateStaging"}
+        if n.out.name in self.copied_whole:
+            return {**fields, "kind": "AllocateLike",
+                    "like": self.names(self.copied_whole[n.out.name])}
+        return fields
+
+    def StagingSlot(self, n: hir.StagingSlot) -> dict[str, Any]:
+        return {"out": self.names(n.out), "stage": self.names(n.stage),
+                "slot": n.slot.position_str(), "like": self.names(n.like)}
+
+    def Copy(self, n: hir.Copy) -> dict[str, Any]:
+        route = (self.devices[n.src], self.devices[n.out])
+        if route not in _COPY_KINDS:
+            raise InternalError(f"{n}: a copy from {route[0]} to {route[1]} has no C++ "
+                                f"(only host <-> GPU)\n{self.program}")
+        return {"out": self.names(n.out), "src": self.names(n.src),
+                "copy_kind": _COPY_KINDS[route], "range": self.range(n)}
+
+    def StreamSynchronize(self, n: hir.StreamSynchronize) -> dict[str, Any]:
+        return {"stream": _stream(n.stream, self.names), "range": self.range(n)}
 
     def Deallocate(self, n: hir.Deallocate) -> dict[str, Any]:
         return {"tensor": self.names(n.tensor)}
@@ -301,11 +380,12 @@ class _Statements:
         return {"communication": self.names(n.communication)}
 
     def Matmul(self, n: hir.Matmul) -> dict[str, Any]:
-        return {"out": self.names(n.out), "a": self.names(n.a), "b": self.names(n.b)}
+        return {"out": self.names(n.out), "a": self.names(n.a), "b": self.names(n.b),
+                "range": self.range(n)}
 
     def Linear(self, n: hir.Linear) -> dict[str, Any]:
         return {"out": self.names(n.out), "x": self.names(n.x), "w": self.names(n.w),
-                "bias": self.names(n.bias) if n.bias else ""}
+                "bias": self.names(n.bias) if n.bias else "", "range": self.range(n)}
 
 
 def prepare(program: hir.HostProgram) -> dict[str, Any]:
@@ -321,7 +401,10 @@ def prepare(program: hir.HostProgram) -> dict[str, Any]:
     communicates = any(isinstance(n, distributed.Communication) for n in program.nodes())
     group_param = [f"std::string {GROUP_PARAM}"] if communicates else []
     group_schema = [f"str {GROUP_PARAM}='{DEFAULT_GROUP}'"] if communicates else []
+    # Programs with host tensors keep their pinned ones (rt::HostTensors, host.h).
+    host = any(t.device == "cpu" for t in [*program.inputs, *statements.allocations.values()])
     return {
+        "host": host,
         "program": program.name,  # the C++ function and the prefix of its messages
         "namespace": NAMESPACE,
         "op_name": op_name(program),
@@ -335,7 +418,6 @@ def prepare(program: hir.HostProgram) -> dict[str, Any]:
         else f"std::tuple<{', '.join(['torch::stable::Tensor'] * len(outs))}>",
         "return_expr": f"{outs[0]}.tensor" if len(outs) == 1
         else f"std::make_tuple({', '.join(o + '.tensor' for o in outs)})",
-        "first_input": names(program.inputs[0].name),
         "dtype": DTYPES[dtype],
         "sm_count": program.gemm_sm_count,
         "body": statements.out,

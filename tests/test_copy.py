@@ -1,6 +1,11 @@
 """Host-resident inputs and outputs (issue 10): the definition, the staged host IR, and
 the evaluator's per-slice copies on the CPU (exact against torch on integer values)."""
 
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
 import pytest
 import torch
 from conftest import ints
@@ -390,3 +395,285 @@ def test_cuda_inputs_on_one_device_is_still_checked():
     program = cg.lower(fusion)
     with pytest.raises(ValueError, match="argument T2 is on meta but T0 is on cpu"):
         cg.evaluate(program, [ints(2, 3), ints(3, 4), torch.empty(4, 5, device="meta")])
+
+
+# ---------------------------------------------------------------------------- C++
+
+
+TESTS = Path(__file__).resolve().parent
+
+
+def cxx(source: Path, out: Path, *flags: str) -> Path:
+    """Compiles ``source`` with the programs' flags and include path (torch, the CUDA
+    toolkit, the runtime), warnings as errors; links nothing of torch's."""
+    from codegen.build import BuildError, toolchain
+    from codegen.render import include_dir
+
+    try:
+        tools = toolchain()
+    except BuildError:
+        pytest.skip("needs the CUDA toolkit's headers")
+    if shutil.which(tools.cxx) is None:
+        pytest.skip("needs a C++ compiler")
+    cmd = [tools.cxx, *tools.cflags, "-Wall", "-Wextra", "-Werror", f"-I{include_dir()}",
+           str(source), "-o", str(out), *flags]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    return out
+
+
+def test_copy_plans_move_every_element_once(tmp_path):
+    """copy.h's plan for slices of host tensors in many layouts (row/column-major,
+    padded, batched, permuted or expanded batch, vectors; ragged and empty slices) into
+    staging slots and back, emulated with memcpy: exact, nothing written outside the
+    view, and one cudaMemcpy2DAsync for a column block of a row-major matrix."""
+    binary = cxx(TESTS / "test_copy_plan.cpp", tmp_path / "copy_plan")
+    run = subprocess.run([str(binary)], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0 and run.stdout.startswith("ok:"), run.stdout + run.stderr
+
+
+def nvtx_logger(folder: Path) -> Path:
+    """The NVTX injection library of the tests (tests/test_copy_nvtx_logger.cpp)."""
+    return cxx(TESTS / "test_copy_nvtx_logger.cpp", folder / "libnvtx_logger.so", "-shared",
+               "-fPIC")
+
+
+NVTX_PROGRAM = """
+#include "codegen/nvtx.h"
+int main() {
+  { const codegen_rt::Range r("prog", "Copy(T0, out=T0_dev)"); }
+  for (int i = 0; i < 2; ++i) {
+    const codegen_rt::Range r("prog", "i", i, "Matmul(T0, T1_i, out=T2_i)");
+  }
+}
+"""
+
+
+def test_nvtx_ranges_are_named_for_hir_lines_when_a_tool_is_attached(tmp_path):
+    source = tmp_path / "ranges.cpp"
+    source.write_text(NVTX_PROGRAM)
+    binary = cxx(source, tmp_path / "ranges")
+    log = tmp_path / "nvtx.log"
+    env = {**os.environ, "NVTX_INJECTION64_PATH": str(nvtx_logger(tmp_path)),
+           "CODEGEN_NVTX_LOG": str(log)}
+    assert subprocess.run([str(binary)], env=env, timeout=60).returncode == 0
+    assert log.read_text().splitlines() == [
+        "push prog: Copy(T0, out=T0_dev)", "pop",
+        "push prog: i=0 Matmul(T0, T1_i, out=T2_i)", "pop",
+        "push prog: i=1 Matmul(T0, T1_i, out=T2_i)", "pop"]
+    without = subprocess.run([str(binary)], timeout=60)  # no tool: ranges do nothing
+    assert without.returncode == 0
+
+
+# ---------------------------------------------------------------------------- render
+
+
+def cpp_of(fusion, **lower_args):
+    program = cg.lower(fusion, **lower_args)
+    return program, cg.render(program)
+
+
+@pytest.mark.parametrize("name", sorted(EXAMPLES))
+def test_every_hir_line_of_a_copy_program_is_in_the_cpp(name):
+    make, _ = EXAMPLES[name]
+    program, source = cpp_of(make(torch.float32, 8))
+    for node in program.nodes():
+        assert f"// hir: {node}" in source
+
+
+def test_stream_weights_cpp():
+    _, source = cpp_of(ex.stream_weights(torch.float32, 8))
+    lines = [line.strip() for line in source.splitlines()]
+    assert ('const rt::Buffer T0 = rt::input(T0_arg, op, "T0", rt::DType::Float32, 2, '
+            '"float32[m, k]");') in lines
+    assert "const int32_t device = T0.device;" in lines  # the GPU input's device
+    assert ('const rt::HostBuffer T1 = rt::host_input(T1_arg, op, "T1", rt::DType::Float32, '
+            '2, "float32[k, n]", device);') in lines
+    assert "host_tensors.keep(T1);" in lines
+    assert not any("rt::same_device" in line for line in lines)  # one GPU input
+    assert ("rt::Staging T1_stage = rt::staging({4, k, rt::ceil_div(n, 8)}, "
+            "rt::DType::Float32, device, op);  // one slot per worker stream") in lines
+    assert "const rt::View T1_s = rt::slot(T1_stage, i % 4, T1_i);" in lines
+    assert 'const rt::Range range(op, "i", i, "Copy(T1_i, out=T1_s)");' in lines
+    assert "rt::copy(T1_s, T1_i, cudaMemcpyHostToDevice, streams.current(), op);" in lines
+    assert 'const rt::Range range(op, "i", i, "Matmul(T0, T1_s, out=T2_i)");' in lines
+    assert "rt::synchronize" not in source  # GPU output: no host wait
+    # The pinned inputs are kept by an object declared before the call's streams (so it
+    # is destroyed after they joined the caller's stream).
+    assert source.index("rt::HostTensors host_tensors") < source.index("rt::Streams streams")
+
+
+def test_offload_activations_cpp():
+    _, source = cpp_of(ex.offload_activations(torch.float32, 8))
+    lines = [line.strip() for line in source.splitlines()]
+    assert "rt::Buffer T2 = rt::empty_pinned({m, n}, rt::DType::Float32, device, op);" in lines
+    assert "host_tensors.keep(T2);" in lines
+    assert "rt::copy(T0_s, T0_i, cudaMemcpyHostToDevice, streams.current(), op);" in lines
+    assert "rt::copy(T2_i, T2_s, cudaMemcpyDeviceToHost, streams.current(), op);" in lines
+    assert "rt::synchronize(main_stream, op);  // host outputs are complete when the op " \
+           "returns" in lines
+    assert 'const rt::Range range(op, "StreamSynchronize(main_stream)");' in lines
+
+
+def test_all_host_inputs_run_on_the_current_device_in_cpp():
+    _, source = cpp_of(host_reads_whole())
+    assert "const int32_t device = torch::stable::accelerator::getCurrentDeviceIndex();" in source
+    # x is read whole: its GPU copy takes its memory order (memcpy cannot transpose).
+    assert ("rt::Buffer T0_dev = rt::empty_like(T0, rt::DType::Float32, device, op);  "
+            "// in T0's memory order") in source
+    assert 'const rt::Range range(op, "Copy(T0, out=T0_dev)");' in source
+
+
+def test_a_pageable_host_allocation_has_no_cpp():
+    program = cg.lower(ex.offload_activations(torch.float32, 2))
+    alloc = next(n for n in program.nodes() if isinstance(n, hir.Allocate) and n.pinned)
+    alloc.pinned = False
+    with pytest.raises(InternalError, match="host allocations are pinned"):
+        cg.render(program)
+
+
+def test_a_copy_between_two_gpu_tensors_has_no_cpp():
+    program = cg.lower(host_reads_whole())
+    copy = next(n for n in program.nodes() if isinstance(n, hir.Copy))
+    copy.src = "T0_dev"
+    with pytest.raises(InternalError, match="a copy from cuda to cuda has no C"):
+        cg.render(program)
+
+
+# ---------------------------------------------------------------------------- build
+
+
+def matmul_without_a_loop():
+    """No stream axis: the host weight is copied whole (on the caller's stream, no
+    GetCurrentStream in the program), then one GEMM."""
+    with cg.Fusion("no_loop_host") as fusion:
+        cg.output(cg.matmul(cg.input(["m", "k"]), cg.input(["k", "n"], device="cpu")))
+    return fusion
+
+
+def batched_host_operand():
+    """3-D: a host batch streamed in and the output streamed back (rank-4 staging)."""
+    with cg.Fusion("batched_host") as fusion:
+        a = cg.input(["b", "m", "k"], device="cpu")
+        w = cg.input(["b", "k", "n"])
+        out = cg.matmul(a, w)
+        cg.output(out, device="cpu")
+    out.outer_split(0, 3)
+    out.axis(0).parallelize(Stream)
+    return fusion
+
+
+@pytest.mark.parametrize("make", [matmul_without_a_loop, host_reads_whole, batched_host_operand])
+def test_host_programs_build(cache_dir, make):
+    op = cg.compile(make())
+    assert op.library.is_file()
+    if make is batched_host_operand:
+        assert "rt::Staging T0_stage = rt::staging({3, rt::ceil_div(b, 3), m, k}" in op.source
+
+
+# ---------------------------------------------------------------------------- timeline
+
+
+def test_planned_hidden_fraction():
+    from codegen.timeline import planned_hidden
+
+    # copy ~ GEMM: all but the first slice's copy hide
+    assert planned_hidden({"HtoD": 800.0}, 800.0, 8, 4) == pytest.approx(7 / 8)
+    # copies twice the GEMMs: each later copy hides for one GEMM slice only
+    assert planned_hidden({"HtoD": 1600.0}, 800.0, 8, 4) == pytest.approx(7 / 8 / 2)
+    # GEMMs dominate: still the first copy stands alone
+    assert planned_hidden({"HtoD": 100.0}, 800.0, 4, 4) == pytest.approx(3 / 4)
+    # in and out: the first copy in and the last copy out stand alone
+    assert planned_hidden({"HtoD": 400.0, "DtoH": 400.0}, 800.0, 4, 4) == pytest.approx(3 / 4)
+    assert planned_hidden({"HtoD": 800.0}, 800.0, 1, 1) == 0.0
+    assert planned_hidden({"HtoD": 800.0}, 800.0, 8, 1) == 0.0  # one stream: serial
+
+
+def test_measured_overlap_from_events():
+    from codegen.timeline import KernelEvent, measure_overlap, overlap_report
+
+    events = [  # copy 0 alone, copy 1 under GEMM 0 (half of it), copy out 0 under GEMM 1
+        KernelEvent("Memcpy HtoD (Pinned -> Device)", 7, 0.0, 100.0, "HtoD", 1000),
+        KernelEvent("nvjet_gemm", 7, 100.0, 100.0),
+        KernelEvent("Memcpy HtoD (Pinned -> Device)", 11, 100.0, 200.0, "HtoD", 1000),
+        KernelEvent("nvjet_gemm", 11, 300.0, 100.0),
+        KernelEvent("Memcpy DtoH (Device -> Pinned)", 7, 310.0, 50.0, "DtoH", 500),
+        KernelEvent("Memset (Device)", 7, 120.0, 500.0, "memset"),  # not a GEMM
+    ]
+    o = measure_overlap(events)
+    assert o.copy_us == 350.0 and o.hidden_us == 150.0 and o.gemm_us == 200.0
+    assert o.measured == pytest.approx(150 / 350)
+    assert o.copies == {"HtoD": (2, 2000, 300.0), "DtoH": (1, 500, 50.0)}
+    text = overlap_report(events, slices=2, streams=2)
+    assert "HtoD: 2 copies" in text and "GEMM kernels: 2, 0.200 ms busy" in text
+    assert "measured 42.9 %, planned" in text
+    assert overlap_report([KernelEvent("gemm", 1, 0.0, 1.0)], 2, 2) == \
+        "no host copies in this program"
+
+
+def test_timeline_slices_and_streams():
+    from codegen.timeline import _slices_and_streams
+
+    program = cg.lower(ex.stream_weights(torch.bfloat16, 8))
+    assert _slices_and_streams(program, [(64, 32), (32, 100)]) == (8, 4)
+    program = cg.lower(matmul_without_a_loop())
+    assert _slices_and_streams(program, [(4, 4), (4, 4)]) == (1, 1)
+
+
+def test_bench_copy_table_and_ratios():
+    import sys
+
+    sys.path.insert(0, str(TESTS.parent / "benchmarks"))
+    import bench_copy
+
+    assert bench_copy.median_ratio([2.0, 3.0, 10.0], [1.0, 1.0, 1.0]) == 3.0
+    row = {"shape": "balanced", "m": 13312, "slices": 8, "copy_ms": 2.4, "gemm_ms": 2.3,
+           "op_ms": 2.8, "op_ratio": 1.17, "floor_ratio": 1.125, "op_floor_ratio": 1.04,
+           "op_col_ratio": 1.15, "python_ratio": 1.2, "copy_then_gemm_ratio": 1.96,
+           "op_host_us": 120.0}
+    text = bench_copy.table([row])
+    assert "balanced  13312   8" in text and "1.170  1.125" in text
+
+
+WARN_PROBE = """
+#include "codegen/runtime.h"
+
+namespace {
+void NAME(torch::stable::Tensor) { codegen_rt::warn_pageable_once("NAME", "T1"); }
+}  // namespace
+
+STABLE_TORCH_LIBRARY_FRAGMENT(codegen, m) { m.def("NAME(Tensor x) -> ()"); }
+STABLE_TORCH_LIBRARY_IMPL(codegen, CPU, m) { m.impl("NAME", TORCH_BOX(&NAME)); }
+"""
+
+WARN_ONCE = """
+import warnings, torch
+from codegen.build import build_library
+import sys
+for name in ("warn_probe_a", "warn_probe_b"):
+    build_library(name, sys.argv[1].replace("NAME", name))
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    for _ in range(2):
+        torch.ops.codegen.warn_probe_a(torch.ones(1))
+        torch.ops.codegen.warn_probe_b(torch.ones(1))
+print("CAUGHT", [(c.category.__name__, str(c.message).splitlines()[0]) for c in caught])
+"""
+
+
+def test_pageable_warning_is_printed_once_per_process(cache_dir):
+    """rt::warn_pageable_once (host.h) from two separately built libraries, twice each:
+    one warning (the flag is one symbol for the whole process, though each library hides
+    the rest of the runtime). It goes through TORCH_WARN's C entry point, which torch.ops
+    calls print on stderr: no Python warning (checked here, so a change shows)."""
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": str(TESTS.parent), "CODEGEN_CACHE_DIR": str(cache_dir)}
+    run = subprocess.run([sys.executable, "-c", WARN_ONCE, WARN_PROBE], capture_output=True,
+                         text=True, env=env, timeout=600)
+    assert run.returncode == 0, run.stderr
+    assert "CAUGHT []" in run.stdout, run.stdout
+    assert run.stderr.count("is in pageable host memory") == 1, run.stderr
+    assert ("Warning: warn_probe_a: argument T1 is in pageable host memory, so its copies to "
+            "the GPU cannot overlap the GEMMs (the results are right). Pass T1.pin_memory() "
+            "to overlap them. (codegen warns once per process.)") in run.stderr, run.stderr

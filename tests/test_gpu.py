@@ -30,8 +30,9 @@ def rel_err(out, ref):
 
 
 def torch_ref(name, xs):
-    d = [x.double() for x in xs]
-    if name in ("stream_matmul_n", "matmul_rows", "matmul_rows_bf16", "batched"):
+    d = [x.double().to(CUDA) for x in xs]  # host inputs (device="cpu") too
+    if name in ("stream_matmul_n", "matmul_rows", "matmul_rows_bf16", "batched",
+                "stream_weights", "offload_activations"):
         return d[0] @ d[1]
     if name in ("two_matmuls", "two_matmuls_not_inlinable"):
         return d[0] @ d[1] @ d[2]
@@ -44,8 +45,8 @@ def torch_ref(name, xs):
 def test_example_matches_torch(ops, name):
     e = ex.EXAMPLES[name]
     dtype = e.make().inputs[0].dtype
-    xs = [torch.randn(s, device=CUDA, dtype=dtype) for s in e.shapes]
-    out = ops[name](*xs)
+    xs = [torch.randn(s, device=d, dtype=dtype) for s, d in zip(e.shapes, e.devices(CUDA))]
+    out = ops[name](*xs).to(CUDA)
     tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
     assert rel_err(out, torch_ref(name, xs)) < tol
 
@@ -54,8 +55,8 @@ def test_example_matches_torch(ops, name):
 def test_example_exact_on_integer_values(ops, name):
     e = ex.EXAMPLES[name]
     dtype = e.make().inputs[0].dtype
-    xs = [ints(*s, dtype=dtype, device=CUDA, lo=-2, hi=3) for s in e.shapes]
-    out = ops[name](*xs)
+    xs = [ints(*s, dtype=dtype, device=d, lo=-2, hi=3) for s, d in zip(e.shapes, e.devices(CUDA))]
+    out = ops[name](*xs).to(CUDA)
     assert torch.equal(out.double(), torch_ref(name, xs))
 
 

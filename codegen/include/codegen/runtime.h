@@ -7,6 +7,9 @@
 //   math_mode.h  torch's matmul precision flags
 //   gemm.h       the program's GEMMs (cuBLAS fallback), gemm_plan.h its cuBLASLt plans
 //   collective.h all-gather and reduce-scatter of a slice through torch.distributed
+//   host.h       host-resident inputs and outputs: checks, pinned outputs, keep-alive
+//   copy.h       host <-> GPU copies of strided slices, staging slots
+//   nvtx.h       NVTX ranges named for host-IR lines
 #pragma once
 
 #include <torch/csrc/stable/accelerator.h>
@@ -14,7 +17,10 @@
 
 #include "codegen/check.h"
 #include "codegen/collective.h"
+#include "codegen/copy.h"
 #include "codegen/gemm.h"
+#include "codegen/host.h"
 #include "codegen/math_mode.h"
+#include "codegen/nvtx.h"
 #include "codegen/stream.h"
 #include "codegen/tensor.h"

@@ -1,0 +1,317 @@
+"""Weight streaming from pinned host memory: the generated op against its floor, the
+hand-written Python pipeline and copy-then-GEMM, on one GPU.
+
+    PYTHONPATH=. python3 benchmarks/bench_copy.py [--out benchmarks/results] [--rounds N]
+
+The program is ``codegen.examples.stream_weights``: out [m, n] = x [m, k] (GPU) @ w [k, n]
+(bf16, pinned host memory), the columns of w streamed in S slices, each copied (one
+cudaMemcpy2DAsync) into a staging slot on its worker stream, then multiplied there.
+For k = n = 8192 (128 MiB of weights) and three m, tuned at run time so that the GEMM
+alone takes about as long as the copy alone (balanced), a quarter of it (copy-bound) and
+three times it (GEMM-bound), and S = 1, 2, 4, 8, 16, it reports per row:
+
+- op / max(C, G): the op's time over the larger of copy alone (C: one 128 MiB pinned
+  host-to-device copy) and GEMM alone (G: x @ w with w already on the GPU);
+- floor / max = 1 + 1/S: the pipeline cannot beat max(C, G) * (1 + 1/S) (the first
+  slice's copy and the last slice's GEMM stand alone), and op / floor;
+- the same op reading a column-major w (w^T stored contiguous, as nn.Linear keeps it):
+  each slice is one 1-D copy instead of a 2-D one;
+- the hand-written Python pipeline (benchmarks: PythonCopyPipeline): w pre-split once into
+  contiguous pinned column blocks, each copied into its stream's staging buffer and
+  multiplied on stream i % 4;
+- copy-then-GEMM: one copy of the whole w, then one GEMM, on one stream.
+
+Timing: CUDA events around a block of calls per variant (one untimed call first); the
+variants of a shape run interleaved in rounds (order rotated each round) after a warm-up
+of at least one second, and each ratio is the median over rounds of the per-round ratio
+(the H200 power-caps within a second of sustained GEMMs: whatever runs first would win).
+Host microseconds per op call are measured with the GPU kept busy. The timing helpers are
+benchmarks/gpu_timing.py and interleave.py (shared with bench_matmul.py).
+Writes copy.json to --out and prints a table; about 1.5 minutes on an H200 (builds
+included).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+import gpu_timing  # noqa: E402
+from interleave import ratio_fields, reps_for, rotated  # noqa: E402
+
+import codegen as cg  # noqa: E402
+from codegen import examples  # noqa: E402
+
+K = N = 8192
+DTYPE = torch.bfloat16
+SLICES = (1, 2, 4, 8, 16)
+POOL = 4
+
+
+class PythonCopyPipeline:
+    """``x @ w`` with w in pinned host memory, as a user writes it with PyTorch streams:
+    the column blocks of w are split once into contiguous pinned chunks (copying a strided
+    host slice would go through a pageable temporary), and per call slice i's chunk is
+    copied into its stream's staging buffer and multiplied into its output columns, on
+    stream i % pool, forked from and joined back to the caller's stream."""
+
+    def __init__(self, w_host: torch.Tensor, slices: int, pool: int = POOL) -> None:
+        k, n = w_host.shape
+        self.n = n
+        self.chunk = -(-n // slices)
+        self.chunks = [w_host[:, i:i + self.chunk].contiguous().pin_memory()
+                       for i in range(0, n, self.chunk)]
+        self.streams = [torch.cuda.Stream() for _ in range(min(len(self.chunks), pool))]
+        self.staging = [torch.empty(k, self.chunk, device="cuda", dtype=w_host.dtype)
+                        for _ in self.streams]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.empty(x.shape[0], self.n, device=x.device, dtype=x.dtype)
+        main = torch.cuda.current_stream()
+        for s in self.streams:
+            s.wait_stream(main)
+        for i, chunk in enumerate(self.chunks):
+            p = i % len(self.streams)
+            width = chunk.shape[1]
+            with torch.cuda.stream(self.streams[p]):
+                slot = self.staging[p][:, :width]
+                slot.copy_(chunk, non_blocking=True)
+                start = i * self.chunk
+                torch.matmul(x, slot, out=out[:, start:start + width])
+        for s in self.streams:
+            main.wait_stream(s)
+        return out
+
+
+def interleaved(variants: dict[str, Callable[[], Any]], rounds: int, block_ms: float,
+                warmup_s: float) -> dict[str, list[float]]:
+    """Milliseconds per call of each variant, one value per round: blocks of calls
+    (gpu_timing.Block) in an order rotated each round, after a warm-up."""
+    reps = {v: reps_for(gpu_timing.estimate_ms(fn, 3), block_ms, 2, 20)
+            for v, fn in variants.items()}
+    gpu_timing.warm_up(lambda: [fn() for fn in variants.values()], warmup_s, batch=1)
+    blocks = {v: gpu_timing.Block(fn, reps[v]) for v, fn in variants.items()}
+    names = list(variants)
+    times: dict[str, list[float]] = {v: [] for v in names}
+    for r in range(rounds):
+        for v in rotated(names, r):
+            blocks[v].run()
+        torch.cuda.synchronize()
+        for v in names:
+            times[v].append(blocks[v].ms())
+    return times
+
+
+def median_ratio(num: list[float], den: list[float]) -> float:
+    """The median over rounds of the per-round ratio (interleave.ratio_fields)."""
+    return float(ratio_fields("r", num, den)["r"])  # type: ignore[arg-type]
+
+
+_ops: dict[int, cg.CompiledOp] = {}
+
+
+def op_for(slices: int) -> cg.CompiledOp:
+    """One program per S (extents are symbolic): the tests' stream_weights programs."""
+    if slices not in _ops:
+        _ops[slices] = cg.compile(examples.stream_weights(DTYPE, slices), pool_size=POOL)
+    return _ops[slices]
+
+
+def tune_m(w_host: torch.Tensor, w_dev: torch.Tensor) -> tuple[int, float, float]:
+    """m (a multiple of 256) for which one GEMM [m, K] @ [K, N] takes about as long as
+    copying w to the GPU; with the copy and GEMM (m = 8192) times it was derived from."""
+    copy = gpu_timing.estimate_ms(lambda: w_dev.copy_(w_host, non_blocking=True), 5)
+    x = torch.randn(8192, K, device="cuda", dtype=DTYPE)
+    gpu_timing.warm_up(lambda: torch.matmul(x, w_dev), 0.5)
+    gemm = gpu_timing.estimate_ms(lambda: torch.matmul(x, w_dev), 5)
+    return max(256, round(8192 * copy / gemm / 256) * 256), copy, gemm
+
+
+def measure_shape(label: str, m: int, w_host: torch.Tensor, w_host_t: torch.Tensor,
+                  w_dev: torch.Tensor, pipelines: dict[int, PythonCopyPipeline],
+                  args: argparse.Namespace) -> list[dict[str, Any]]:
+    x = torch.randn(m, K, device="cuda", dtype=DTYPE)
+    out = torch.empty(m, N, device="cuda", dtype=DTYPE)
+    ref = torch.matmul(x.float(), w_dev.float())
+    w_col = w_host_t.t()  # [K, N], column-major: each column block is contiguous
+
+    def copy_then_gemm() -> None:
+        w_dev.copy_(w_host, non_blocking=True)
+        torch.matmul(x, w_dev, out=out)
+
+    variants: dict[str, Callable[[], Any]] = {
+        "copy": lambda: w_dev.copy_(w_host, non_blocking=True),
+        "gemm": lambda: torch.matmul(x, w_dev, out=out),
+        "copy_then_gemm": copy_then_gemm,
+    }
+    errors: dict[str, float] = {}
+    for s in SLICES:
+        op, pipeline = op_for(s), pipelines[s]
+        variants[f"op/s{s}"] = lambda op=op: op(x, w_host)
+        variants[f"op_col/s{s}"] = lambda op=op: op(x, w_col)
+        variants[f"python/s{s}"] = lambda p=pipeline: p(x)
+        for v in ("op", "op_col", "python"):
+            y = variants[f"{v}/s{s}"]().float()
+            errors[f"{v}/s{s}"] = ((y - ref).norm() / ref.norm()).item()
+    del ref
+    bad = {v: e for v, e in errors.items() if not e < 2e-2}
+    if bad:
+        print(f"WARNING {label}: relative error against fp32 above 2e-2: {bad}")
+    estimate_call_ms = gpu_timing.estimate_ms(variants["copy_then_gemm"], 2)
+    host = {s: gpu_timing.host_sample(lambda s=s: op_for(s)(x, w_host), calls=5,
+                                      busy_ms=20 + 5 * estimate_call_ms)
+            for s in SLICES}
+    t = interleaved(variants, args.rounds, args.block_ms, args.warmup_s)
+    bound = [max(c, g) for c, g in zip(t["copy"], t["gemm"])]
+    med = statistics.median
+    rows = []
+    for s in SLICES:
+        floor = 1 + 1 / s
+        rows.append({
+            "shape": label, "m": m, "k": K, "n": N, "dtype": "bf16", "slices": s,
+            "copy_ms": med(t["copy"]), "gemm_ms": med(t["gemm"]),
+            "copy_GBps": K * N * 2 / med(t["copy"]) / 1e6,
+            "gemm_tflops": 2 * m * K * N / med(t["gemm"]) / 1e9,
+            "op_ms": med(t[f"op/s{s}"]), "op_col_ms": med(t[f"op_col/s{s}"]),
+            "python_ms": med(t[f"python/s{s}"]), "copy_then_gemm_ms": med(t["copy_then_gemm"]),
+            "op_ratio": median_ratio(t[f"op/s{s}"], bound),
+            "floor_ratio": floor,
+            "op_floor_ratio": median_ratio(t[f"op/s{s}"], bound) / floor,
+            "op_col_ratio": median_ratio(t[f"op_col/s{s}"], bound),
+            "python_ratio": median_ratio(t[f"python/s{s}"], bound),
+            "op_python_ratio": median_ratio(t[f"op/s{s}"], t[f"python/s{s}"]),
+            "copy_then_gemm_ratio": median_ratio(t["copy_then_gemm"], bound),
+            "op_host_us": host[s],
+            "rel_err": {v.split("/")[0]: errors[v] for v in errors if v.endswith(f"/s{s}")},
+            "rounds": args.rounds,
+        })
+    return rows
+
+
+NVTX_COST = r"""
+#include "codegen/nvtx.h"
+#include <chrono>
+#include <cstdio>
+int main() {
+  const int n = 10000000;
+  volatile long long sink = 0;
+  double best = 1e9;
+  for (int rep = 0; rep < 5; ++rep) {
+    auto t0 = std::chrono::steady_clock::now();
+    for (int i = 0; i < n; ++i) {
+      const codegen_rt::Range r("stream_weights", "i", i, "Copy(T1_i, out=T1_s)");
+      sink = sink + i;
+    }
+    auto t1 = std::chrono::steady_clock::now();
+    const double ns = std::chrono::duration<double, std::nano>(t1 - t0).count() / n;
+    if (ns < best) best = ns;
+  }
+  std::printf("%.2f\n", best);
+}
+"""
+
+
+def nvtx_range_ns() -> float | None:
+    """Host nanoseconds of one codegen NVTX range with no tool attached (best of 5)."""
+    from codegen.build import _cuda_home
+    from codegen.render import include_dir
+
+    home = _cuda_home()
+    if home is None:
+        return None
+    with tempfile.TemporaryDirectory() as tmp:
+        src, exe = Path(tmp) / "nvtx_cost.cpp", Path(tmp) / "nvtx_cost"
+        src.write_text(NVTX_COST)
+        build = subprocess.run(["c++", "-std=c++17", "-O1", f"-I{include_dir()}",
+                                f"-isystem{home}/include", str(src), "-o", str(exe)],
+                               capture_output=True, text=True)
+        if build.returncode != 0:
+            return None
+        run = subprocess.run([str(exe)], capture_output=True, text=True)
+        return float(run.stdout.strip()) if run.returncode == 0 else None
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    head = (f"{'shape':>10} {'m':>6} {'S':>3} {'copy ms':>8} {'GEMM ms':>8} {'op ms':>8} "
+            f"{'op/max':>7} {'floor':>6} {'op/floor':>8} {'op(w^T)':>8} {'python':>7} "
+            f"{'copy+GEMM':>9} {'host us':>8}")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        lines.append(
+            f"{r['shape']:>10} {r['m']:>6} {r['slices']:>3} {r['copy_ms']:8.3f} "
+            f"{r['gemm_ms']:8.3f} {r['op_ms']:8.3f} {r['op_ratio']:7.3f} "
+            f"{r['floor_ratio']:6.3f} {r['op_floor_ratio']:8.3f} {r['op_col_ratio']:8.3f} "
+            f"{r['python_ratio']:7.3f} {r['copy_then_gemm_ratio']:9.3f} "
+            f"{r['op_host_us']:8.1f}")
+    lines.append("ratios: time / max(copy alone, GEMM alone), median of per-round ratios; "
+                 "floor = 1 + 1/S")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--block-ms", type=float, default=15.0,
+                        help="GPU time of one timed block of calls")
+    parser.add_argument("--warmup-s", type=float, default=1.5)
+    parser.add_argument("--shapes", default="balanced,copy-bound,gemm-bound")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("bench_copy: needs a CUDA GPU")
+        return 1
+    start = time.perf_counter()
+    for s in SLICES:
+        op_for(s)
+    build_s = time.perf_counter() - start
+    w_host = torch.randn(K, N, dtype=DTYPE).pin_memory()
+    w_host_t = w_host.t().contiguous().pin_memory()
+    w_dev = w_host.to("cuda")
+    pipelines = {s: PythonCopyPipeline(w_host, s) for s in SLICES}
+    m_bal, copy0, gemm0 = tune_m(w_host, w_dev)
+    shapes = {"balanced": m_bal, "copy-bound": max(256, m_bal // 4 // 256 * 256),
+              "gemm-bound": 3 * m_bal}
+    rows: list[dict[str, Any]] = []
+    meta: dict[str, Any] = {
+        "date": datetime.date.today().isoformat(),
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "command": "PYTHONPATH=. python3 benchmarks/bench_copy.py " + " ".join(sys.argv[1:]),
+        "tuning": {"copy_ms": copy0, "gemm_ms_m8192": gemm0, "m_balanced": m_bal},
+        "build_s": build_s,
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    for label in args.shapes.split(","):  # copy.json after each shape: a cut run keeps some
+        rows += measure_shape(label, shapes[label], w_host, w_host_t, w_dev, pipelines, args)
+        print(table(rows[-len(SLICES):]), flush=True)
+        meta["seconds"] = time.perf_counter() - start
+        (args.out / "copy.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    meta["nvtx_range_ns_no_tool"] = nvtx_range_ns()
+    meta["seconds"] = time.perf_counter() - start
+    (args.out / "copy.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    print()
+    print(table(rows))
+    print(f"\nNVTX range with no tool attached: {meta['nvtx_range_ns_no_tool']} ns; "
+          f"total {meta['seconds']:.0f} s")
+    print(f"wrote {args.out / 'copy.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,186 @@
+// codegen runtime: copies between host memory and the GPU, and the staging slots that
+// streamed host operands pass through.
+//
+// A copy moves a strided view into another of the same shape with as few cudaMemcpy
+// calls as the layouts allow: a dense block is one cudaMemcpyAsync; rows of a block (a
+// column block of a row-major matrix, a padded or transposed one) are one
+// cudaMemcpy2DAsync; only a 3-D view whose batch stride is not the rows' pitch times
+// the rows (an expanded or permuted batch) takes one 2-D copy per batch entry. Memcpy
+// cannot transpose, so the GPU side of a copy keeps the memory order of the host side:
+// a staging slot, or the GPU copy of a host input read whole, is dense in the order of
+// the host tensor (a column-major host weight gives a column-major slot; the GEMMs read
+// either). Everything is queued on the given stream; nothing here waits.
+#pragma once
+
+#include <torch/csrc/inductor/aoti_torch/c/shim.h>
+
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <utility>
+
+#include "codegen/check.h"
+#include "codegen/stream.h"
+#include "codegen/tensor.h"
+
+namespace codegen_rt {
+
+// A copy as `count` blocks of `height` rows of `width` bytes each.
+struct CopyShape {
+  int64_t count = 0;  // 0: nothing to copy (an empty slice)
+  int64_t height = 0;
+  int64_t width = 0;
+  int64_t src_pitch = 0, dst_pitch = 0;  // bytes from a row to the next
+  int64_t src_step = 0, dst_step = 0;    // bytes from a block to the next
+};
+
+// Whether the last two dims of `v` are stored column by column (stride 1 down a column
+// and more than one column); row-major otherwise, which is also the choice when either
+// extent is 1 (then both orders are the same memory).
+inline bool column_major(const View& v) {
+  if (v.dim < 2) return false;
+  const int r = v.dim - 2, c = v.dim - 1;
+  return v.sizes[r] > 1 && v.sizes[c] > 1 && v.strides[c] != 1 && v.strides[r] == 1;
+}
+
+// Dense strides for `v`'s sizes: the batch dim outermost, the last two in `v`'s order.
+inline void dense_strides(View& v, bool transposed) {
+  int order[kMaxDims] = {0, 1, 2};  // outermost first
+  if (transposed) std::swap(order[v.dim - 2], order[v.dim - 1]);
+  int64_t stride = 1;
+  for (int k = v.dim; k-- > 0;) {
+    v.strides[order[k]] = stride;
+    stride *= std::max<int64_t>(v.sizes[order[k]], 1);
+  }
+}
+
+inline CopyShape copy_shape(const View& dst, const View& src, const char* op) {
+  CopyShape c;
+  CG_CHECK(dst.dim == src.dim && dst.itemsize == src.itemsize, op,
+           ": copy between views of different ranks or dtypes (a bug in codegen)");
+  struct Dim {
+    int64_t size, s, d;  // elements
+  };
+  int order[kMaxDims] = {0, 1, 2};
+  if (column_major(src)) std::swap(order[src.dim - 2], order[src.dim - 1]);
+  Dim dims[kMaxDims];
+  int n = 0;
+  for (int k = 0; k < src.dim; ++k) {
+    const int a = order[k];
+    CG_CHECK(dst.sizes[a] == src.sizes[a], op, ": copy between views of shapes ", dst.shape(),
+             " and ", src.shape(), " (a bug in codegen)");
+    if (src.sizes[a] == 0) return c;
+    if (src.sizes[a] > 1) dims[n++] = {src.sizes[a], src.strides[a], dst.strides[a]};
+  }
+  // Merge a dim into the next inner one where both views are dense across them.
+  int m = 0;
+  for (int k = 0; k < n; ++k) {
+    if (m > 0 && dims[m - 1].s == dims[k].size * dims[k].s &&
+        dims[m - 1].d == dims[k].size * dims[k].d) {
+      dims[m - 1] = {dims[m - 1].size * dims[k].size, dims[k].s, dims[k].d};
+    } else {
+      dims[m++] = dims[k];
+    }
+  }
+  const int64_t item = src.itemsize;
+  c.width = item;
+  if (m > 0 && dims[m - 1].s == 1 && dims[m - 1].d == 1) c.width = dims[--m].size * item;
+  // The innermost remaining dim are the rows of a 2-D copy, unless its pitch is below
+  // the row width (an expanded dim: stride 0), which cudaMemcpy2D refuses; then it
+  // counts blocks instead, as does a dim outside the rows.
+  const bool rows = m > 0 && dims[m - 1].s * item >= c.width && dims[m - 1].d * item >= c.width;
+  CG_CHECK(m - (rows ? 1 : 0) <= 1, op, ": copy of a view with sizes ", src.shape(),
+           " and strides ", Dims{src.strides, src.dim}, " needs more than one 2-D copy per "
+           "block; pass a .contiguous() tensor");
+  c.count = 1;
+  c.height = 1;
+  c.src_pitch = c.dst_pitch = c.width;
+  if (rows) {
+    c.height = dims[m - 1].size;
+    c.src_pitch = dims[m - 1].s * item;
+    c.dst_pitch = dims[m - 1].d * item;
+    --m;
+  }
+  if (m == 1) {
+    c.count = dims[0].size;
+    c.src_step = dims[0].s * item;
+    c.dst_step = dims[0].d * item;
+  }
+  return c;
+}
+
+// dst = src on `stream`; `kind` says which side is on the host.
+inline void copy(const View& dst, const View& src, cudaMemcpyKind kind, const Stream& stream,
+                 const char* op) {
+  const CopyShape c = copy_shape(dst, src, op);
+  for (int64_t b = 0; b < c.count; ++b) {
+    const char* from = src.data + b * c.src_step;
+    char* to = dst.data + b * c.dst_step;
+    if (c.height == 1) {
+      check_cuda(cudaMemcpyAsync(to, from, static_cast<size_t>(c.width), kind, stream.handle),
+                 op, "cudaMemcpyAsync");
+    } else {
+      check_cuda(cudaMemcpy2DAsync(to, static_cast<size_t>(c.dst_pitch), from,
+                                   static_cast<size_t>(c.src_pitch),
+                                   static_cast<size_t>(c.width),
+                                   static_cast<size_t>(c.height), kind, stream.handle),
+                 op, "cudaMemcpy2DAsync");
+    }
+  }
+}
+
+// A new dense GPU tensor with the sizes and memory order of host tensor `like`: the GPU
+// copy of a host input read whole.
+inline Buffer empty_like(const View& like, DType dtype, int32_t device, const char* op) {
+  View v = like;
+  dense_strides(v, column_major(like));
+  AtenTensorHandle h = nullptr;
+  check_shim(aoti_torch_empty_strided(v.dim, v.sizes, v.strides, aoti_dtype(dtype),
+                                      aoti_torch_device_type_cuda(), device, &h),
+             op, "allocating a GPU copy of a host input");
+  Buffer b;
+  static_cast<View&>(b) = v;
+  b.tensor = torch::stable::Tensor(h);
+  b.device = device;
+  void* data = nullptr;
+  check_shim(aoti_torch_get_data_ptr(h, &data), op, "reading a data pointer");
+  b.data = static_cast<char*>(data);
+  b.itemsize = itemsize(dtype);
+  return b;
+}
+
+// GPU memory for `slots` slices of a streamed host operand, one slot per worker stream
+// (StagingSlot in the host IR): shape = {slots, chunk sizes...}, any rank.
+// Every slot starts 256-byte aligned (as PyTorch's allocations do), so all slots of a
+// loop have the alignment that keys a cached GEMM plan (gemm_plan.h) and get one plan.
+struct Staging {
+  Buffer buffer;            // slots * slot_stride elements, 1-D
+  int64_t slot_stride = 0;  // elements from a slot to the next: a whole slice, rounded up
+
+  void reset() { buffer.reset(); }
+};
+
+constexpr int64_t kSlotAlignment = 256;  // bytes
+
+template <size_t N>
+Staging staging(const int64_t (&shape)[N], DType dtype, int32_t device, const char* op) {
+  static_assert(N >= 2, "a staging tensor is [slots, *chunk]");
+  int64_t bytes = itemsize(dtype);
+  for (size_t d = 1; d < N; ++d) bytes *= std::max<int64_t>(shape[d], 0);
+  Staging s;
+  s.slot_stride = ceil_div(bytes, kSlotAlignment) * kSlotAlignment / itemsize(dtype);
+  s.buffer = empty({std::max<int64_t>(shape[0], 0) * s.slot_stride}, dtype, device, op);
+  return s;
+}
+
+// Slot `k` of `stage`, viewed with the shape of `like` (a slice, maybe ragged), dense in
+// like's memory order (see the top of this file).
+inline View slot(const Staging& stage, int64_t k, const View& like) {
+  View v = like;
+  v.data = stage.buffer.data + k * stage.slot_stride * like.itemsize;
+  dense_strides(v, column_major(like));
+  return v;
+}
+
+}  // namespace codegen_rt

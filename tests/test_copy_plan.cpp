@@ -1,0 +1,149 @@
+// Checks codegen_rt::copy_shape on the host: every copy the runtime would issue is
+// emulated with memcpy (cudaMemcpy2DAsync's semantics), for slices of host tensors in
+// many layouts, into staging slots (dense in the slice's order) and back.
+#include "codegen/copy.h"
+
+#include <cstdio>
+#include <cstring>
+#include <string>
+#include <vector>
+
+namespace rt = codegen_rt;
+
+struct Emulated {
+  int64_t calls = 0, calls_2d = 0;
+};
+
+static void emulate(const rt::View& dst, const rt::View& src, Emulated& e) {
+  const rt::CopyShape c = rt::copy_shape(dst, src, "test");
+  for (int64_t b = 0; b < c.count; ++b) {
+    ++e.calls;
+    if (c.height > 1) ++e.calls_2d;
+    for (int64_t h = 0; h < c.height; ++h) {
+      std::memcpy(dst.data + b * c.dst_step + h * c.dst_pitch,
+                  src.data + b * c.src_step + h * c.src_pitch, static_cast<size_t>(c.width));
+    }
+  }
+}
+
+static int64_t offset(const rt::View& v, const int64_t* idx) {
+  int64_t o = 0;
+  for (int d = 0; d < v.dim; ++d) o += idx[d] * v.strides[d];
+  return o;
+}
+
+// Every element of `a` equals the one of `b` at the same index.
+static bool same(const rt::View& a, const rt::View& b) {
+  int64_t idx[rt::kMaxDims] = {0, 0, 0};
+  int64_t n = 1;
+  for (int d = 0; d < a.dim; ++d) n *= a.sizes[d];
+  for (int64_t k = 0; k < n; ++k) {
+    int64_t r = k;
+    for (int d = a.dim; d-- > 0;) {
+      idx[d] = r % a.sizes[d];
+      r /= a.sizes[d];
+    }
+    const float* x = reinterpret_cast<const float*>(a.data) + offset(a, idx);
+    const float* y = reinterpret_cast<const float*>(b.data) + offset(b, idx);
+    if (*x != *y) return false;
+  }
+  return true;
+}
+
+static int64_t numel(const rt::View& v) {
+  int64_t n = 1;
+  for (int d = 0; d < v.dim; ++d) n *= v.sizes[d];
+  return n;
+}
+
+static int failures = 0;
+static int64_t cases = 0;
+
+// A host tensor of `sizes`/`strides` over `storage` floats; slice `index` of `slices`
+// along `axis`; copied into a slot and back into a copy of the host tensor.
+static void check(const char* name, int dim, std::vector<int64_t> sizes,
+                  std::vector<int64_t> strides, int64_t storage, int axis, int64_t slices,
+                  int64_t expect_calls = -1, int64_t expect_2d = -1) {
+  std::vector<float> host(static_cast<size_t>(storage)), back(static_cast<size_t>(storage), -1);
+  for (int64_t k = 0; k < storage; ++k) host[static_cast<size_t>(k)] = static_cast<float>(k + 1);
+  rt::View h;
+  h.dim = dim;
+  h.itemsize = 4;
+  for (int d = 0; d < dim; ++d) h.sizes[d] = sizes[d], h.strides[d] = strides[d];
+  const int64_t chunk = rt::ceil_div(h.sizes[axis], slices);
+  for (int64_t i = 0; i < slices; ++i) {
+    h.data = reinterpret_cast<char*>(host.data());
+    rt::View slice = rt::shard(h, axis, i, chunk);
+    std::vector<float> slot(static_cast<size_t>(numel(slice)) + 8, 0);
+    rt::View s = slice;
+    s.data = reinterpret_cast<char*>(slot.data());
+    rt::dense_strides(s, rt::column_major(slice));
+    Emulated in, out;
+    emulate(s, slice, in);
+    rt::View b = slice;
+    b.data = reinterpret_cast<char*>(back.data()) + (slice.data - h.data);
+    emulate(b, s, out);
+    ++cases;
+    bool ok = same(s, slice) && same(b, slice);
+    if (expect_calls >= 0 && (in.calls != expect_calls || out.calls != expect_calls)) ok = false;
+    if (expect_2d >= 0 && (in.calls_2d != expect_2d || out.calls_2d != expect_2d)) ok = false;
+    if (!ok) {
+      ++failures;
+      std::printf("FAIL %s slice %lld of %lld: calls %lld (2-D %lld)\n", name,
+                  static_cast<long long>(i), static_cast<long long>(slices),
+                  static_cast<long long>(in.calls), static_cast<long long>(in.calls_2d));
+    }
+  }
+  // Elements outside every slice were never written.
+  std::vector<bool> inside(static_cast<size_t>(storage), false);
+  int64_t idx[rt::kMaxDims] = {0, 0, 0};
+  int64_t n = 1;
+  for (int d = 0; d < dim; ++d) n *= h.sizes[d];
+  for (int64_t k = 0; k < n; ++k) {
+    int64_t r = k;
+    for (int d = dim; d-- > 0;) idx[d] = r % h.sizes[d], r /= h.sizes[d];
+    inside[static_cast<size_t>(offset(h, idx))] = true;
+  }
+  for (int64_t k = 0; k < storage; ++k) {
+    if (!inside[static_cast<size_t>(k)] && back[static_cast<size_t>(k)] != -1) {
+      ++failures;
+      std::printf("FAIL %s: wrote outside the view at %lld\n", name, static_cast<long long>(k));
+      break;
+    }
+  }
+}
+
+int main() {
+  for (int64_t slices : {1, 2, 3, 4, 8, 13, 20}) {
+    for (int axis : {0, 1}) {
+      check("row-major", 2, {13, 7}, {7, 1}, 91, axis, slices);
+      check("row-major padded", 2, {13, 7}, {10, 1}, 130, axis, slices);
+      check("column-major", 2, {13, 7}, {1, 13}, 91, axis, slices);
+      check("column-major padded", 2, {13, 7}, {1, 16}, 112, axis, slices);
+      check("one row", 2, {1, 7}, {7, 1}, 7, axis, slices);
+      check("one column strided", 2, {13, 1}, {5, 1}, 65, axis, slices);
+    }
+    for (int axis : {0, 1, 2}) {
+      check("batched", 3, {5, 4, 3}, {12, 3, 1}, 60, axis, slices);
+      check("batched padded rows", 3, {5, 4, 3}, {24, 6, 1}, 120, axis, slices);
+      check("batched column-major", 3, {5, 4, 3}, {12, 1, 4}, 60, axis, slices);
+      check("batch permuted", 3, {5, 4, 3}, {3, 15, 1}, 60, axis, slices);
+      check("batch expanded", 3, {5, 4, 3}, {0, 3, 1}, 12, axis, slices);
+    }
+    check("vector", 1, {13}, {1}, 13, 0, slices);
+    check("vector strided", 1, {13}, {3}, 39, 0, slices);
+  }
+  // Calls per slice: a row block is one 1-D copy, a column block one 2-D copy.
+  check("rows of row-major: 1-D", 2, {16, 8}, {8, 1}, 128, 0, 4, 1, 0);
+  check("columns of row-major: 2-D", 2, {16, 8}, {8, 1}, 128, 1, 4, 1, 1);
+  check("columns of column-major: 1-D", 2, {16, 8}, {1, 16}, 128, 1, 4, 1, 0);
+  check("rows of column-major: 2-D", 2, {16, 8}, {1, 16}, 128, 0, 4, 1, 1);
+  check("batches of batched: 1-D", 3, {8, 4, 3}, {12, 3, 1}, 96, 0, 4, 1, 0);
+  check("rows of padded batched: 2-D", 3, {8, 4, 3}, {24, 6, 1}, 192, 0, 4, 1, 1);
+  check("rows of batched: one 2-D", 3, {8, 4, 3}, {12, 3, 1}, 96, 1, 2, 1, 1);
+  check("expanded batch: a 2-D copy each", 3, {4, 4, 3}, {0, 3, 1}, 12, 0, 1, 4, 0);
+  check("empty", 2, {0, 8}, {8, 1}, 1, 0, 4, 0, 0);
+  std::printf("%s: %lld cases, %d failures\n", failures ? "FAILED" : "ok",
+              static_cast<long long>(cases), failures);
+  return failures ? 1 : 0;
+}
