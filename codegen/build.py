@@ -41,7 +41,7 @@ import torch
 
 from . import collectives, distributed
 from . import hostir as hir
-from .evaluator import check_inputs
+from .evaluator import check_inputs, program_device
 from .render import NAMESPACE, include_dir, op_name, program_digest, render
 
 # The oldest torch whose stable ABI the generated C++ targets (the GPU machine's 2.11):
@@ -337,7 +337,9 @@ def _register_python_parts(program: hir.HostProgram, qualname: str) -> None:
     def fake(*args: Any) -> Any:
         inputs = args[:n_inputs]  # a program with collectives also takes a group name
         env = check_inputs(program, inputs)
-        outs = [inputs[0].new_empty([e.evaluate(env) for e in o.shape], dtype=o.dtype)
+        device = program_device(program, inputs)  # host outputs are CPU tensors
+        outs = [inputs[0].new_empty([e.evaluate(env) for e in o.shape], dtype=o.dtype,
+                                    device="cpu" if o.device == "cpu" else device)
                 for o in outputs]
         return outs[0] if len(outs) == 1 else tuple(outs)
 

@@ -677,3 +677,21 @@ def test_pageable_warning_is_printed_once_per_process(cache_dir):
     assert ("Warning: warn_probe_a: argument T1 is in pageable host memory, so its copies to "
             "the GPU cannot overlap the GEMMs (the results are right). Pass T1.pin_memory() "
             "to overlap them. (codegen warns once per process.)") in run.stderr, run.stderr
+
+
+def test_fake_impl_puts_outputs_where_the_op_does(cache_dir):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with cg.Fusion("host_in_gpu_out") as f:  # the first input is in host memory
+        x = cg.input(["m", "k"], torch.float32, device="cpu")
+        w = cg.input(["k", "n"], torch.float32)
+        out = cg.matmul(x, w)
+        cg.output(out)
+    out.outer_split(0, 2)
+    out.axis(0).parallelize(cg.ParallelType.Stream)
+    op = cg.compile(f)
+    with FakeTensorMode():
+        out = op(torch.empty(6, 4), torch.empty(4, 3, device="cuda"))
+    assert out.shape == (6, 3) and out.device.type == "cuda"  # not x's device
+    out = op(torch.empty(6, 4), torch.empty(4, 3, device="meta"))
+    assert out.shape == (6, 3) and out.device.type == "meta"
