@@ -32,6 +32,8 @@ def run_demo(size: int = 8192, slices: int = 4) -> int:
         ("bf16 matmul, output rows on streams", examples.matmul_rows(
             torch.bfloat16, slices, f"demo_rows_bf16_s{slices}")),
         ("nvFuser StreamTest.Matmul, output columns on streams", examples.stream_matmul_n()),
+        ("weights in host memory, streamed in by column slices under the GEMMs",
+         examples.stream_weights(torch.float32, 2 * slices, f"demo_stream_weights_s{slices}")),
     ]
     ops = []
     for title, fusion in cases:
@@ -42,11 +44,12 @@ def run_demo(size: int = 8192, slices: int = 4) -> int:
         print(f"C++: {op.library.with_suffix('.cpp')}\nop:  torch.ops.{op.name.replace('::', '.')}"
               f" (ready in {time.perf_counter() - start:.2f} s)\n")
         ops.append((program, op))
-    (rows_program, rows_op), (cols_program, cols_op) = ops
+    (rows_program, rows_op), (cols_program, cols_op), (host_program, host_op) = ops
 
     # The evaluator is the reference semantics: exact on integer-valued inputs.
     for program, shapes, dtype in ((rows_program, [(37, 16), (16, 9)], torch.bfloat16),
-                                   (cols_program, [(5, 7), (7, 6)], torch.float32)):
+                                   (cols_program, [(5, 7), (7, 6)], torch.float32),
+                                   (host_program, [(9, 16), (16, 37)], torch.float32)):
         xs = [_ints(*s, dtype=dtype) for s in shapes]
         good = torch.equal(evaluate(program, xs)[0].double(), xs[0].double() @ xs[1].double())
         print(f"evaluator on CPU, {program.name}: {'matches' if good else 'MISMATCHES'} torch")
@@ -64,6 +67,12 @@ def run_demo(size: int = 8192, slices: int = 4) -> int:
                                                                    device="cuda")
     good = torch.equal(cols_op(a, b), a @ b)
     print(f"GPU, {cols_program.name} [5,7]x[7,6] fp32: {'exact' if good else 'MISMATCH'}")
+    ok &= good
+    x = _ints(64, 256, dtype=torch.float32, device="cuda")
+    w = _ints(256, 1000, dtype=torch.float32).pin_memory()  # in host memory
+    good = torch.equal(host_op(x, w), x @ w.cuda())
+    print(f"GPU, {host_program.name} [64,256] x host [256,1000] fp32: "
+          f"{'exact' if good else 'MISMATCH'}")
     ok &= good
 
     from .timing import cuda_time_ms
