@@ -107,14 +107,15 @@ class PlanCache {
   }
 
   // The plan of `key`: cached, or made now unless `may_query` is false (graph capture);
-  // nullptr when there is none and none may be made.
-  Plan* find(const PlanKey& key, cublasLtHandle_t handle, size_t workspace, bool may_query,
-             const char* op) {
+  // nullptr when there is none and none may be made. `bias` is this call's bias vector
+  // (with the epilogue): the heuristic reads its alignment from the pointer.
+  Plan* find(const PlanKey& key, cublasLtHandle_t handle, size_t workspace, const void* bias,
+             bool may_query, const char* op) {
     std::lock_guard<std::mutex> lock(mutex_);
     auto it = plans_.find(key);
     if (it != plans_.end()) return it->second.get();
     if (!may_query || plans_.size() >= kMaxPlans) return nullptr;
-    auto plan = make(key, handle, workspace, op);
+    auto plan = make(key, handle, workspace, bias, op);
     Plan* p = plan.get();
     plans_.emplace(key, std::move(plan));
     return p;
@@ -127,7 +128,7 @@ class PlanCache {
   }
 
   static std::unique_ptr<Plan> make(const PlanKey& key, cublasLtHandle_t handle,
-                                    size_t workspace, const char* op) {
+                                    size_t workspace, const void* bias, const char* op) {
     auto plan = std::make_unique<Plan>();
     const auto data = static_cast<cudaDataType_t>(key.data);
     const auto compute = static_cast<cublasComputeType_t>(key.compute);
@@ -145,6 +146,11 @@ class PlanCache {
                                            sizeof epilogue), op, "setting EPILOGUE");
       check(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE,
                                            &data, sizeof data), op, "setting BIAS_DATA_TYPE");
+      // "Routines that don't dereference this pointer, like cublasLtMatmulAlgoGetHeuristic()
+      // depend on its value to determine expected pointer alignment" (cublasLt.h): left
+      // NULL, the heuristic would assume 256-byte alignment; the key holds align_bias.
+      check(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias,
+                                           sizeof bias), op, "setting BIAS_POINTER");
     }
     if (key.sm_count > 0) {
       const int32_t sms = key.sm_count;
@@ -270,6 +276,7 @@ inline bool Gemms::gemm_lt(int m, int n, int k, const Operand& oa, const Operand
       check_cuda(cudaStreamIsCapturing(stream.handle, &capture), op, "cudaStreamIsCapturing");
     }
     plan = PlanCache::get().find(key, lt_handle(device_, op), ws.size,
+                                 bias != nullptr ? bias->data : nullptr,
                                  capture == cudaStreamCaptureStatusNone, op);
     if (plan == nullptr) return false;
     last_key = key;
