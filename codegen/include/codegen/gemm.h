@@ -281,7 +281,11 @@ class Gemms {
     row.strides[1] = bias->strides[0];
     row.sizes[0] = 1;
     row.strides[0] = row.sizes[1];
-    gemm_unfused(c, col, row, /*accumulate=*/false, stream, type_);
+    // Exactly: a TF32 GEMM would round the bias to 10 mantissa bits, where torch adds it
+    // in fp32 (addmm's epilogue).
+    GemmType exact = type_;
+    if (exact.compute == CUBLAS_COMPUTE_32F_FAST_TF32) exact.compute = CUBLAS_COMPUTE_32F_PEDANTIC;
+    gemm_unfused(c, col, row, /*accumulate=*/false, stream, exact);
     if (K > 0) gemm_unfused(c, a, b, /*accumulate=*/true, stream, type_);
   }
 
