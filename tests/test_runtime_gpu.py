@@ -149,6 +149,22 @@ def test_tf32_flag_is_read_at_every_call(cache_dir):
     assert strict < 1e-6 and loose > 1e-5, (strict, loose)
 
 
+def test_bias_is_added_exactly_under_tf32(cache_dir):
+    # torch adds linear's bias in fp32 (addmm's epilogue); a TF32 rank-1 GEMM of ones and
+    # the bias would round it to 10 mantissa bits. With x = 0 the output is the bias.
+    op = cg.compile(ex.linear_bias())
+    x = torch.zeros(9, 16, device="cuda")
+    w = torch.randn(30, 16, device="cuda")
+    bias = torch.randn(30, device="cuda")
+    saved = torch.backends.cuda.matmul.allow_tf32
+    try:
+        torch.backends.cuda.matmul.allow_tf32 = True
+        out = op(x, w, bias)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = saved
+    assert torch.equal(out, bias.expand(9, 30))
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_reduced_precision_reduction_flag_reaches_cublas(cache_dir, dtype):
     # A tall-K product that cuBLAS likes to split: with reduced-precision reduction

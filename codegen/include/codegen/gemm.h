@@ -28,19 +28,25 @@ namespace codegen_rt {
 struct GemmType {
   cudaDataType_t data;
   cublasComputeType_t compute;
-  bool disallow_reduced_precision = false;  // fp16/bf16: no reduced-precision split-K
+  Reduction reduction = Reduction::ReducedPrecisionWithSplitK;  // fp16/bf16 split-K
+
+  // cublasGemmEx can forbid 16-bit partial sums but not split-K itself (torch.matmul's
+  // cuBLAS path refuses allow_splitk=False; here both non-default options mean the same).
+  bool disallow_reduced_precision() const {
+    return reduction != Reduction::ReducedPrecisionWithSplitK;
+  }
 };
 
 inline GemmType gemm_type(DType dtype, const MathMode& mode) {
   switch (dtype) {
     case DType::Float32:
-      return {CUDA_R_32F, mode.tf32 ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F, false};
+      return {CUDA_R_32F, mode.tf32 ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F};
     case DType::Float16:
-      return {CUDA_R_16F, CUBLAS_COMPUTE_32F, !mode.fp16_reduced};
+      return {CUDA_R_16F, CUBLAS_COMPUTE_32F, mode.fp16};
     case DType::BFloat16:
-      return {CUDA_R_16BF, CUBLAS_COMPUTE_32F, !mode.bf16_reduced};
+      return {CUDA_R_16BF, CUBLAS_COMPUTE_32F, mode.bf16};
     case DType::Float64:
-      return {CUDA_R_64F, CUBLAS_COMPUTE_64F, false};
+      return {CUDA_R_64F, CUBLAS_COMPUTE_64F};
   }
   fail("codegen: unknown dtype (bug)");
 }
@@ -154,7 +160,7 @@ inline void gemm_cublas(int n, int m, int k, const Operand& oa, const Operand& o
   const void* alpha = f64 ? static_cast<const void*>(&alpha64) : &alpha32;
   const void* beta = f64 ? static_cast<const void*>(&beta64) : &beta32;
   const int lda = to_int(oa.ld, op, "lda"), ldb = to_int(ob.ld, op, "ldb");
-  if (type.disallow_reduced_precision) {
+  if (type.disallow_reduced_precision()) {
     check_cublas(cublasSetMathMode(handle, static_cast<cublasMath_t>(
                                                CUBLAS_DEFAULT_MATH |
                                                CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION)),
@@ -171,7 +177,7 @@ inline void gemm_cublas(int n, int m, int k, const Operand& oa, const Operand& o
                                         type.data, ldc, sc, to_int(batch, op, "batch"),
                                         type.compute, CUBLAS_GEMM_DEFAULT);
   }
-  if (type.disallow_reduced_precision) (void)cublasSetMathMode(handle, CUBLAS_DEFAULT_MATH);
+  if (type.disallow_reduced_precision()) (void)cublasSetMathMode(handle, CUBLAS_DEFAULT_MATH);
   check_cublas(status, op);
 }
 
@@ -254,7 +260,7 @@ class Gemms {
       }
     }
     if (bias == nullptr) {
-      gemm_unfused(c, a, b, /*accumulate=*/false, stream);
+      gemm_unfused(c, a, b, /*accumulate=*/false, stream, type_);
       return;
     }
     // The bias first, by a rank-1 GEMM (ones[M, 1] @ bias[1, N]), then the product
@@ -275,13 +281,17 @@ class Gemms {
     row.strides[1] = bias->strides[0];
     row.sizes[0] = 1;
     row.strides[0] = row.sizes[1];
-    gemm_unfused(c, col, row, /*accumulate=*/false, stream);
-    if (K > 0) gemm_unfused(c, a, b, /*accumulate=*/true, stream);
+    // Exactly: a TF32 GEMM would round the bias to 10 mantissa bits, where torch adds it
+    // in fp32 (addmm's epilogue).
+    GemmType exact = type_;
+    if (exact.compute == CUBLAS_COMPUTE_32F_FAST_TF32) exact.compute = CUBLAS_COMPUTE_32F_PEDANTIC;
+    gemm_unfused(c, col, row, /*accumulate=*/false, stream, exact);
+    if (K > 0) gemm_unfused(c, a, b, /*accumulate=*/true, stream, type_);
   }
 
   // The same GEMM with no bias, accumulating or not, through cublasGemmEx.
   void gemm_unfused(const View& c, const View& a, const View& b, bool accumulate,
-                    const Stream& stream) {
+                    const Stream& stream, const GemmType& type) {
     const char* op = op_;
     const int64_t M = c.sizes[c.dim - 2], N = c.sizes[c.dim - 1], K = a.sizes[a.dim - 1];
     int64_t batch = c.dim == 3 ? c.sizes[0] : 1;
@@ -295,7 +305,7 @@ class Gemms {
              ": unreadable layout of b (bug)");
     (void)stream;  // cublasGemmEx runs on PyTorch's current stream, which is `stream`
     gemm_cublas(to_int(N, op, "N"), to_int(M, op, "M"), to_int(K, op, "K"), oa, ob, sa, sb, sc,
-                batch, c, to_int(ldc, op, "ldc"), a, b, type_, accumulate, op);
+                batch, c, to_int(ldc, op, "ldc"), a, b, type, accumulate, op);
   }
 
   // cuBLASLt's bias epilogue reads a contiguous, 16-byte aligned vector.

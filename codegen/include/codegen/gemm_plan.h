@@ -23,7 +23,7 @@ namespace codegen_rt {
 
 struct PlanKey {
   int32_t device = 0;
-  int data = 0, compute = 0, disallow_reduced = 0, epilogue = 0, sm_count = 0;
+  int data = 0, compute = 0, reduction = 0, epilogue = 0, sm_count = 0;
   int transa = 0, transb = 0;
   int64_t m = 0, n = 0, k = 0, lda = 0, ldb = 0, ldc = 0;
   int64_t batch = 1, stride_a = 0, stride_b = 0, stride_c = 0;
@@ -37,7 +37,7 @@ struct PlanKeyHash {
     uint64_t h = 1469598103934665603ull;
     auto mix = [&h](int64_t v) { h = (h ^ static_cast<uint64_t>(v)) * 1099511628211ull; };
     for (int64_t v : {int64_t{k.device}, int64_t{k.data}, int64_t{k.compute},
-                      int64_t{k.disallow_reduced}, int64_t{k.epilogue}, int64_t{k.sm_count},
+                      int64_t{k.reduction}, int64_t{k.epilogue}, int64_t{k.sm_count},
                       int64_t{k.transa}, int64_t{k.transb}, k.m, k.n, k.k, k.lda, k.ldb, k.ldc,
                       k.batch, k.stride_a, k.stride_b, k.stride_c, int64_t{k.align_a},
                       int64_t{k.align_b}, int64_t{k.align_c}, int64_t{k.align_bias}}) {
@@ -64,6 +64,19 @@ struct Plan {
     if (c) cublasLtMatrixLayoutDestroy(c);
   }
 };
+
+// The split-K reduction schemes cuBLASLt may use, as torch's bgemm_internal_cublaslt
+// allows them: INPLACE and OUTPUT_TYPE add partial sums in the output's 16-bit type, so a
+// full-precision reduction keeps only COMPUTE_TYPE (partials in fp32), or no split at all.
+inline uint32_t reduction_scheme_mask(Reduction r) {
+  switch (r) {
+    case Reduction::ReducedPrecisionWithSplitK: return CUBLASLT_REDUCTION_SCHEME_MASK;
+    case Reduction::FullPrecisionWithSplitK:
+      return CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE | CUBLASLT_REDUCTION_SCHEME_NONE;
+    case Reduction::FullPrecisionNoSplitK: return CUBLASLT_REDUCTION_SCHEME_NONE;
+  }
+  return CUBLASLT_REDUCTION_SCHEME_NONE;
+}
 
 // The largest power of two up to 256 that divides a pointer's address.
 inline int alignment(const void* p) {
@@ -94,14 +107,15 @@ class PlanCache {
   }
 
   // The plan of `key`: cached, or made now unless `may_query` is false (graph capture);
-  // nullptr when there is none and none may be made.
-  Plan* find(const PlanKey& key, cublasLtHandle_t handle, size_t workspace, bool may_query,
-             const char* op) {
+  // nullptr when there is none and none may be made. `bias` is this call's bias vector
+  // (with the epilogue): the heuristic reads its alignment from the pointer.
+  Plan* find(const PlanKey& key, cublasLtHandle_t handle, size_t workspace, const void* bias,
+             bool may_query, const char* op) {
     std::lock_guard<std::mutex> lock(mutex_);
     auto it = plans_.find(key);
     if (it != plans_.end()) return it->second.get();
     if (!may_query || plans_.size() >= kMaxPlans) return nullptr;
-    auto plan = make(key, handle, workspace, op);
+    auto plan = make(key, handle, workspace, bias, op);
     Plan* p = plan.get();
     plans_.emplace(key, std::move(plan));
     return p;
@@ -114,7 +128,7 @@ class PlanCache {
   }
 
   static std::unique_ptr<Plan> make(const PlanKey& key, cublasLtHandle_t handle,
-                                    size_t workspace, const char* op) {
+                                    size_t workspace, const void* bias, const char* op) {
     auto plan = std::make_unique<Plan>();
     const auto data = static_cast<cudaDataType_t>(key.data);
     const auto compute = static_cast<cublasComputeType_t>(key.compute);
@@ -132,6 +146,11 @@ class PlanCache {
                                            sizeof epilogue), op, "setting EPILOGUE");
       check(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE,
                                            &data, sizeof data), op, "setting BIAS_DATA_TYPE");
+      // "Routines that don't dereference this pointer, like cublasLtMatmulAlgoGetHeuristic()
+      // depend on its value to determine expected pointer alignment" (cublasLt.h): left
+      // NULL, the heuristic would assume 256-byte alignment; the key holds align_bias.
+      check(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias,
+                                           sizeof bias), op, "setting BIAS_POINTER");
     }
     if (key.sm_count > 0) {
       const int32_t sms = key.sm_count;
@@ -165,8 +184,8 @@ class PlanCache {
         cublasLtMatmulPreference_t)> pref_guard(pref, cublasLtMatmulPreferenceDestroy);
     check(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
                                                &workspace, sizeof workspace), op, "workspace");
-    if (key.disallow_reduced) {  // as torch does for allow_*_reduced_precision_reduction=False
-      const uint32_t mask = CUBLASLT_REDUCTION_SCHEME_MASK & ~CUBLASLT_REDUCTION_SCHEME_OUTPUT_TYPE;
+    if (key.reduction != 0) {
+      const uint32_t mask = reduction_scheme_mask(static_cast<Reduction>(key.reduction));
       check(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK,
                                                  &mask, sizeof mask), op, "reduction mask");
     }
@@ -239,7 +258,7 @@ inline bool Gemms::gemm_lt(int m, int n, int k, const Operand& oa, const Operand
   key.device = device_;
   key.data = type_.data;
   key.compute = type_.compute;
-  key.disallow_reduced = type_.disallow_reduced_precision;
+  key.reduction = static_cast<int>(type_.reduction);
   key.epilogue = bias != nullptr ? CUBLASLT_EPILOGUE_BIAS : 0;
   key.sm_count = sm_count_;
   key.transa = oa.op;
@@ -257,6 +276,7 @@ inline bool Gemms::gemm_lt(int m, int n, int k, const Operand& oa, const Operand
       check_cuda(cudaStreamIsCapturing(stream.handle, &capture), op, "cudaStreamIsCapturing");
     }
     plan = PlanCache::get().find(key, lt_handle(device_, op), ws.size,
+                                 bias != nullptr ? bias->data : nullptr,
                                  capture == cudaStreamCaptureStatusNone, op);
     if (plan == nullptr) return false;
     last_key = key;
