@@ -125,7 +125,7 @@ def _toolchain(gold: bool) -> Toolchain:
                          "/usr/local/cuda and next to nvcc); set CUDA_HOME")
     torch_dir = Path(torch.__file__).resolve().parent
     cflags = (
-        "-std=c++20", "-fPIC", *CFLAGS,
+        "-std=c++20", "-fPIC", *CFLAGS, f"-DCODEGEN_RT_ABI=r{_runtime_digest()[:16]}",
         f"-isystem{torch_dir / 'include'}", f"-isystem{Path(home) / 'include'}",
         # After the toolkit's own include folder: the wheels also carry a partial runtime.
         *(f"-idirafter{d}" for d in _wheel_cuda_includes()),
@@ -138,6 +138,15 @@ def _toolchain(gold: bool) -> Toolchain:
                "-ltorch_cuda", "-ltorch", f"-L{cuda_lib}", "-lcudart",
                f"-Wl,-rpath,{torch_dir / 'lib'}")
     return Toolchain(os.environ.get("CXX", "c++"), cflags, ldflags)
+
+
+def _runtime_digest() -> str:
+    """A hash of the runtime headers: the version of the objects every program in a
+    process shares (stream.h), so programs built from other headers never share them."""
+    h = hashlib.sha256()
+    for header in sorted(include_dir().rglob("*.h")):
+        h.update(header.name.encode() + b"\0" + header.read_bytes() + b"\0")
+    return h.hexdigest()
 
 
 def _run(command: list[str], log_path: Path, what: str) -> None:

@@ -97,3 +97,24 @@ def test_cpp_words_and_generated_names_as_tensor_and_extent_names(cache_dir):
     with pytest.raises(ValueError, match="argument and axis 0 must have size device = 3"):
         compiled(torch.empty(5, 3, device="meta"), torch.empty(2, 4, device="meta"),
                  torch.empty(4, 2, device="meta"))
+
+
+def test_programs_share_one_stream_pool_and_thread_lease(cache_dir):
+    # Each program is a library with hidden symbols; the pool and the thread's lease are
+    # GNU unique symbols (one object per process), named for the runtime headers' hash.
+    import subprocess
+
+    libraries = [cg.compile(matmul_rows(slices=s, name=f"shared_pool_{s}")).library
+                 for s in (2, 3)]
+    exported = []
+    for library in libraries:
+        symbols = subprocess.run(["readelf", "-sW", "--demangle", str(library)],
+                                 capture_output=True, text=True, check=True).stdout
+        unique = sorted({line.split()[-1] for line in symbols.splitlines()
+                         if " UNIQUE " in line and ("lease_pool" in line or
+                                                    "thread_lease" in line)})
+        exported.append(unique)
+    assert exported[0] == exported[1] and len(exported[0]) >= 2, exported
+    tag = build_module.toolchain().cflags
+    abi = next(f for f in tag if f.startswith("-DCODEGEN_RT_ABI="))[len("-DCODEGEN_RT_ABI="):]
+    assert all(abi in name for name in exported[0]), exported[0]

@@ -77,10 +77,7 @@ struct Lease {
 // alive at once.
 class LeasePool {
  public:
-  static LeasePool& get() {
-    static LeasePool* pool = new LeasePool();
-    return *pool;
-  }
+  static LeasePool& get();
 
   std::unique_ptr<Lease> take(int32_t device) {
     {
@@ -113,8 +110,31 @@ class LeasePool {
   std::vector<std::vector<std::unique_ptr<Lease>>> free_;
 };
 
+// One pool, and one lease per thread, for every program in the process built from these
+// headers: each program is its own library with hidden symbols, but a default-visibility
+// inline function's static (thread_local too) is a GNU unique symbol, which the dynamic
+// linker binds to one object across libraries loaded RTLD_LOCAL. (Per-program pools
+// would give each program its own worker streams, and PyTorch a cuBLAS workspace per
+// stream.) The names carry CODEGEN_RT_ABI, a hash of the runtime headers set by the
+// build, so programs built from other headers never share these objects' layouts.
+#ifndef CODEGEN_RT_ABI
+#define CODEGEN_RT_ABI unversioned
+#endif
+inline namespace CODEGEN_RT_ABI {
+
+__attribute__((visibility("default"))) inline LeasePool& lease_pool() {
+  static LeasePool* pool = new LeasePool();  // outlives the thread-local holders
+  return *pool;
+}
+
+}  // namespace CODEGEN_RT_ABI
+
+inline LeasePool& LeasePool::get() { return lease_pool(); }
+
+inline namespace CODEGEN_RT_ABI {
+
 // This thread's lease on `device`, returned to the pool when the thread exits.
-inline Lease& thread_lease(int32_t device) {
+__attribute__((visibility("default"))) inline Lease& thread_lease(int32_t device) {
   struct Held {
     std::vector<std::unique_ptr<Lease>> by_device;
     ~Held() {
@@ -129,6 +149,8 @@ inline Lease& thread_lease(int32_t device) {
   if (!lease) lease = LeasePool::get().take(device);
   return *lease;
 }
+
+}  // namespace CODEGEN_RT_ABI
 
 inline void set_torch_stream(cudaStream_t stream, int32_t device) {
   CG_CHECK(torch_set_current_cuda_stream(stream, device) == AOTI_TORCH_SUCCESS,
