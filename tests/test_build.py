@@ -203,3 +203,11 @@ def test_distributed_example_builds_and_gives_shapes(cache_dir, name):
     out = op.op(*args)  # torch.ops directly, the default group's name
     rows = 2 * 16 if name.startswith("allgather") else 16 // 2
     assert out.shape == (rows, 24) and out.dtype == torch.bfloat16
+
+
+def test_allocations_are_kept_until_the_workers_joined():
+    # On an exception mid-loop the locals are destroyed before the join is queued; the
+    # call's Streams keeps what the program allocated until after it.
+    source = cg.render(cg.lower(EXAMPLES["two_matmuls_not_inlinable"].make()))
+    allocations = [line.strip() for line in source.splitlines() if "rt::empty(" in line]
+    assert allocations and all("streams.keep(rt::empty(" in a for a in allocations)

@@ -491,8 +491,8 @@ def test_stream_weights_cpp():
             '2, "float32[k, n]", device);') in lines
     assert "host_tensors.keep(T1);" in lines
     assert not any("rt::same_device" in line for line in lines)  # one GPU input
-    assert ("rt::Staging T1_stage = rt::staging({4, k, rt::ceil_div(n, 8)}, "
-            "rt::DType::Float32, device, op);  // one slot per worker stream") in lines
+    assert ("rt::Staging T1_stage = streams.keep(rt::staging({4, k, rt::ceil_div(n, 8)}, "
+            "rt::DType::Float32, device, op));  // one slot per worker stream") in lines
     assert "const rt::View T1_s = rt::slot(T1_stage, i % 4, T1_i);" in lines
     assert 'const rt::Range range(op, "i", i, "Copy(T1_i, out=T1_s)");' in lines
     assert "rt::copy(T1_s, T1_i, cudaMemcpyHostToDevice, streams.current(), op);" in lines
@@ -519,8 +519,8 @@ def test_all_host_inputs_run_on_the_current_device_in_cpp():
     _, source = cpp_of(host_reads_whole())
     assert "const int32_t device = torch::stable::accelerator::getCurrentDeviceIndex();" in source
     # x is read whole: its GPU copy takes its memory order (memcpy cannot transpose).
-    assert ("rt::Buffer T0_dev = rt::empty_like(T0, rt::DType::Float32, device, op);  "
-            "// in T0's memory order") in source
+    assert ("rt::Buffer T0_dev = streams.keep(rt::empty_like(T0, rt::DType::Float32, device, "
+            "op));  // in T0's memory order") in source
     assert 'const rt::Range range(op, "Copy(T0, out=T0_dev)");' in source
 
 
@@ -568,7 +568,8 @@ def test_host_programs_build(cache_dir, make):
     op = cg.compile(make())
     assert op.library.is_file()
     if make is batched_host_operand:
-        assert "rt::Staging T0_stage = rt::staging({3, rt::ceil_div(b, 3), m, k}" in op.source
+        assert ("rt::Staging T0_stage = streams.keep(rt::staging({3, rt::ceil_div(b, 3), m, "
+                "k}") in op.source
 
 
 # ---------------------------------------------------------------------------- timeline

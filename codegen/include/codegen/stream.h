@@ -157,6 +157,16 @@ inline void set_torch_stream(cudaStream_t stream, int32_t device) {
            "codegen: setting the current CUDA stream failed");
 }
 
+// The tensor a program value owns (a Buffer, or a Staging's buffer).
+template <typename T>
+const torch::stable::Tensor& tensor_of(const T& t) {
+  if constexpr (requires { t.tensor; }) {
+    return t.tensor;
+  } else {
+    return t.buffer.tensor;
+  }
+}
+
 // One call's streams: see the comment at the top of this file.
 class Streams {
  public:
@@ -172,6 +182,7 @@ class Streams {
 
   ~Streams() {
     // No throwing from here: on an error path the first error is the one to report.
+    // `kept_` is released after the join below (members are destroyed after this body).
     for (size_t k = 0; k < dirty_.size(); ++k) {
       if (!dirty_[k]) continue;
       const Stream& w = lease_->workers[k];
@@ -181,6 +192,16 @@ class Streams {
     if (current_.handle != caller_.handle) {
       (void)torch_set_current_cuda_stream(caller_.handle, device_);
     }
+  }
+
+  // Keeps `t`'s tensor alive until the workers have joined the caller's stream, on every
+  // exit: a tensor the program allocated goes back to the caching allocator (on the
+  // caller's stream) only after the join is queued, so no other thread's allocation on
+  // that stream can reuse memory that worker GEMMs may still write after an exception.
+  template <typename T>
+  T keep(T t) {
+    kept_.push_back(tensor_of(t));
+    return t;
   }
 
   const Stream& caller() const { return caller_; }
@@ -214,6 +235,7 @@ class Streams {
   Stream caller_;
   Stream current_;
   std::vector<char> dirty_;  // worker k has work the caller's stream has not waited for
+  std::vector<torch::stable::Tensor> kept_;  // see keep()
 };
 
 }  // namespace codegen_rt
