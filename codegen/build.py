@@ -96,7 +96,7 @@ class Toolchain:
     """The compiler and every flag a program is built with: the same for the runtime's
     precompiled header and for each program, which is what lets GCC use the former."""
 
-    cxx: str
+    cxx: tuple[str, ...]  # the compiler command ($CXX may carry a launcher: "ccache g++")
     cflags: tuple[str, ...]
     ldflags: tuple[str, ...]
 
@@ -137,7 +137,7 @@ def _toolchain(gold: bool) -> Toolchain:
     ldflags = ("-shared", *linker, f"-L{torch_dir / 'lib'}", "-lc10", "-ltorch_cpu",
                "-ltorch_cuda", "-ltorch", f"-L{cuda_lib}", "-lcudart",
                f"-Wl,-rpath,{torch_dir / 'lib'}")
-    return Toolchain(os.environ.get("CXX", "c++"), cflags, ldflags)
+    return Toolchain(tuple(shlex.split(os.environ.get("CXX") or "c++")), cflags, ldflags)
 
 
 def _runtime_digest() -> str:
@@ -187,7 +187,7 @@ def _precompiled_runtime(tools: Toolchain) -> Path | None:
                 target.parent.mkdir(parents=True, exist_ok=True)
                 target.write_bytes(h.read_bytes())
             partial = pch.with_suffix(".gch.partial")
-            _run([tools.cxx, *tools.cflags, f"-I{folder}", "-x", "c++-header",
+            _run([*tools.cxx, *tools.cflags, f"-I{folder}", "-x", "c++-header",
                   str(folder / RUNTIME_HEADER),
                   "-o", str(partial)], folder / "build.log", "the runtime's precompiled header")
             partial.replace(pch)
@@ -273,7 +273,7 @@ def _compile(entry: _Entry, source: str, key: str) -> float:
     entry.source.write_text(source)
     includes = [*([f"-I{pch}", "-Winvalid-pch"] if pch else []), f"-I{include_dir()}"]
     partial = entry.library.with_suffix(".so.partial")
-    command = [tools.cxx, *tools.cflags, *includes, str(entry.source), "-o", str(partial)]
+    command = [*tools.cxx, *tools.cflags, *includes, str(entry.source), "-o", str(partial)]
     try:
         _run([*command, *tools.ldflags], entry.folder / "build.log", entry.name)
     except BuildError:

@@ -727,6 +727,34 @@ def communications(program: hir.HostProgram) -> list[Communication]:
     return [n for n in program.nodes() if isinstance(n, Communication)]
 
 
+def verify_waits(program: hir.HostProgram) -> hir.HostProgram:
+    """Checks that every Communication is waited for, in its own block, before the next
+    one is posted. The compiled op's Wait is ``_c10d_functional::wait_tensor``, which
+    waits for every collective registered on the output's storage: were two slices
+    posted before either waited, the first Wait would take both and the second would
+    order nothing."""
+
+    def check(nodes: list[hir.Node]) -> None:
+        pending: Communication | None = None
+        for n in nodes:
+            if isinstance(n, Communication):
+                if pending is not None:
+                    raise InternalError(f"{n}: posted before {pending.out} was waited for\n"
+                                        f"{program}")
+                pending = n
+            elif isinstance(n, Wait):
+                if pending is None or n.communication != pending.out:
+                    raise InternalError(f"{n}: waits for no pending communication of this "
+                                        f"block\n{program}")
+                pending = None
+            check(n.children())
+        if pending is not None:
+            raise InternalError(f"{pending}: never waited for in its block\n{program}")
+
+    check(program.body)
+    return program
+
+
 def resolve_group(program: hir.HostProgram, group: object | None) -> object | None:
     """The process group ``program`` communicates over: ``group``, or the default one.
     None if it does not communicate. Raises RuntimeError if torch.distributed is not

@@ -55,7 +55,7 @@ def lower(fusion: Fusion, *, pool_size: int = 4, gemm_sm_count: int = 0) -> hir.
     if "hostir" in dump:
         _dump("hostir after build_host_program", str(program))
     for host_pass in hir.HOSTIR_PASSES:
-        program = hir.verify(host_pass(program))
+        program = distributed.verify_waits(hir.verify(host_pass(program)))
         if "hostir" in dump:
             _dump(f"hostir after {host_pass.__name__}", str(program))
     return program

@@ -2,6 +2,7 @@
 the evaluator over torch.distributed (gloo, 2 and 4 processes on the CPU), exact against
 torch on integer inputs."""
 
+import dataclasses
 import datetime
 import os
 import tempfile
@@ -554,3 +555,23 @@ def _worker(rank, world_size, store_path):
 def test_gloo_processes_match_torch(world_size):
     with tempfile.TemporaryDirectory() as tmp:
         mp.spawn(_worker, (world_size, os.path.join(tmp, "store")), nprocs=world_size)
+
+
+def test_verify_waits_refuses_a_second_post_before_the_first_wait():
+    from codegen import distributed as dist_ir
+    from codegen.errors import InternalError
+
+    program = cg.lower(allgather_matmul(torch.float32, 4, 2))
+    loop = next(n for n in program.body if isinstance(n, cg.hostir.ForLoop) and n.body
+                and any(isinstance(b, dist_ir.Communication) for b in n.body))
+    wait = next(b for b in loop.body if isinstance(b, dist_ir.Wait))
+    comm = next(b for b in loop.body if isinstance(b, dist_ir.Communication))
+    body = [b for b in loop.body if b is not wait]
+    # Two posts in one block, then no wait: what a future "post all, then wait" pass
+    # would produce, and what wait_tensor (all works of a storage) cannot order.
+    body.insert(body.index(comm) + 1, dataclasses.replace(comm, out="comm_again"))
+    broken = program.replace(body=[dataclasses.replace(loop, body=body) if n is loop else n
+                                   for n in program.body])
+    with pytest.raises(InternalError, match="posted before comm_i was waited for"):
+        dist_ir.verify_waits(broken)
+    assert dist_ir.verify_waits(program) is program

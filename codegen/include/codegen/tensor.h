@@ -176,6 +176,7 @@ inline View shard(View v, int axis, int64_t index, int64_t chunk) {
 
 // Axis `axis` of `v` viewed as [outer, inner] (torch.unflatten).
 inline View unflatten(View v, int axis, int64_t outer, int64_t inner) {
+  CG_CHECK(v.dim < kMaxDims, "codegen: unflatten of a rank-", v.dim, " view (bug)");
   for (int d = v.dim; d > axis + 1; --d) {
     v.sizes[d] = v.sizes[d - 1];
     v.strides[d] = v.strides[d - 1];
