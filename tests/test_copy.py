@@ -413,9 +413,9 @@ def cxx(source: Path, out: Path, *flags: str) -> Path:
         tools = toolchain()
     except BuildError:
         pytest.skip("needs the CUDA toolkit's headers")
-    if shutil.which(tools.cxx) is None:
+    if shutil.which(tools.cxx[0]) is None:
         pytest.skip("needs a C++ compiler")
-    cmd = [tools.cxx, *tools.cflags, "-Wall", "-Wextra", "-Werror", f"-I{include_dir()}",
+    cmd = [*tools.cxx, *tools.cflags, "-Wall", "-Wextra", "-Werror", f"-I{include_dir()}",
            str(source), "-o", str(out), *flags]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
