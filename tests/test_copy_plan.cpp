@@ -3,6 +3,7 @@
 // many layouts, into staging slots (dense in the slice's order) and back.
 #include "codegen/copy.h"
 
+#include <algorithm>
 #include <cstdio>
 #include <cstring>
 #include <string>
@@ -143,6 +144,32 @@ int main() {
   check("rows of batched: one 2-D", 3, {8, 4, 3}, {12, 3, 1}, 96, 1, 2, 1, 1);
   check("expanded batch: a 2-D copy each", 3, {4, 4, 3}, {0, 3, 1}, 12, 0, 1, 4, 0);
   check("empty", 2, {0, 8}, {8, 1}, 1, 0, 4, 0, 0);
+  // Rows whose pitch exceeds cudaMemcpy2D's maximum (2^31 - 1 bytes): the batch of a
+  // [2, 65536, 32768] bf16 tensor (4 GiB matrices) sliced by rows is a count of 1-D
+  // copies, not one 2-D copy with a 4 GiB pitch (planned only: nothing is copied).
+  {
+    rt::View big;
+    big.dim = 3;
+    big.itemsize = 2;
+    const int64_t sizes[3] = {2, 65536, 32768}, strides[3] = {65536LL * 32768, 32768, 1};
+    for (int d = 0; d < 3; ++d) big.sizes[d] = sizes[d], big.strides[d] = strides[d];
+    const rt::View slice = rt::shard(big, 1, 0, 32768);
+    rt::View slot = slice;
+    rt::dense_strides(slot, false);
+    for (const rt::CopyShape& c : {rt::copy_shape(slot, slice, "test"),
+                                   rt::copy_shape(slice, slot, "test")}) {
+      ++cases;
+      const bool ok = c.count == 2 && c.height == 1 && c.width == 32768LL * 32768 * 2 &&
+                      std::max(c.src_step, c.dst_step) == 65536LL * 32768 * 2;
+      if (!ok) {
+        ++failures;
+        std::printf("FAIL pitch over the maximum: count %lld height %lld pitches %lld %lld\n",
+                    static_cast<long long>(c.count), static_cast<long long>(c.height),
+                    static_cast<long long>(std::max(c.src_pitch, c.dst_pitch)),
+                    static_cast<long long>(std::max(c.src_step, c.dst_step)));
+      }
+    }
+  }
   std::printf("%s: %lld cases, %d failures\n", failures ? "FAILED" : "ok",
               static_cast<long long>(cases), failures);
   return failures ? 1 : 0;

@@ -26,6 +26,11 @@
 
 namespace codegen_rt {
 
+// The largest pitch cudaMemcpy2D accepts: it "returns an error if dpitch or spitch
+// exceeds the maximum allowed" (cudaDevAttrMaxPitch, memPitch: 2^31 - 1 bytes on every
+// CUDA GPU so far).
+constexpr int64_t kMaxPitch = 2147483647;
+
 // A copy as `count` blocks of `height` rows of `width` bytes each.
 struct CopyShape {
   int64_t count = 0;  // 0: nothing to copy (an empty slice)
@@ -87,9 +92,13 @@ inline CopyShape copy_shape(const View& dst, const View& src, const char* op) {
   c.width = item;
   if (m > 0 && dims[m - 1].s == 1 && dims[m - 1].d == 1) c.width = dims[--m].size * item;
   // The innermost remaining dim are the rows of a 2-D copy, unless its pitch is below
-  // the row width (an expanded dim: stride 0), which cudaMemcpy2D refuses; then it
-  // counts blocks instead, as does a dim outside the rows.
-  const bool rows = m > 0 && dims[m - 1].s * item >= c.width && dims[m - 1].d * item >= c.width;
+  // the row width (an expanded dim: stride 0) or above the device's maximum pitch (the
+  // batch of a 3-D tensor whose matrices exceed 2 GiB), which cudaMemcpy2D refuses; then
+  // it counts blocks instead, as does a dim outside the rows.
+  const auto pitch_ok = [&](int64_t stride) {
+    return stride * item >= c.width && stride * item <= kMaxPitch;
+  };
+  const bool rows = m > 0 && pitch_ok(dims[m - 1].s) && pitch_ok(dims[m - 1].d);
   CG_CHECK(m - (rows ? 1 : 0) <= 1, op, ": copy of a view with sizes ", src.shape(),
            " and strides ", Dims{src.strides, src.dim}, " needs more than one 2-D copy per "
            "block; pass a .contiguous() tensor");
