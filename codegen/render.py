@@ -403,8 +403,11 @@ def prepare(program: hir.HostProgram) -> dict[str, Any]:
     group_schema = [f"str {GROUP_PARAM}='{DEFAULT_GROUP}'"] if communicates else []
     # Programs with host tensors keep their pinned ones (rt::HostTensors, host.h).
     host = any(t.device == "cpu" for t in [*program.inputs, *statements.allocations.values()])
+    allocs = statements.allocations
+    host_outputs = any(allocs[o].device == "cpu" for o in program.outputs if o in allocs)
     return {
         "host": host,
+        "host_outputs": host_outputs,
         "program": program.name,  # the C++ function and the prefix of its messages
         "namespace": NAMESPACE,
         "op_name": op_name(program),

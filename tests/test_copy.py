@@ -515,6 +515,25 @@ def test_offload_activations_cpp():
     assert 'const rt::Range range(op, "StreamSynchronize(main_stream)");' in lines
 
 
+def test_host_outputs_refuse_capture_before_anything_is_queued():
+    """The host output of the second loop is allocated after the first loop's GEMMs;
+    under graph capture the op must refuse before those GEMMs are captured."""
+    with cg.Fusion("late_host_output") as fusion:
+        x = cg.input(["m", "k"])
+        t1 = cg.matmul(x, cg.input(["k", "n"]))
+        t2 = cg.matmul(t1, cg.input(["n", "p"]))
+        cg.output(t2, device="cpu")
+    t1.outer_split(1, 3)
+    t1.axis(1).parallelize(Stream)
+    t2.outer_split(0, 2)
+    t2.axis(0).parallelize(Stream)
+    _, source = cpp_of(fusion)
+    refusal = source.index("rt::refuse_capture_of_host_outputs(device, op);")
+    assert refusal < source.index("rt::Streams streams") < source.index("gemms.matmul")
+    _, gpu_only = cpp_of(ex.stream_weights(torch.float32, 8))
+    assert "refuse_capture_of_host_outputs" not in gpu_only
+
+
 def test_all_host_inputs_run_on_the_current_device_in_cpp():
     _, source = cpp_of(host_reads_whole())
     assert "const int32_t device = torch::stable::accelerator::getCurrentDeviceIndex();" in source

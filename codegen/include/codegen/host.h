@@ -144,15 +144,22 @@ inline HostBuffer host_input(const torch::stable::Tensor& t, const char* op, con
   return b;
 }
 
-// A new contiguous tensor in pinned host memory (PyTorch's caching host allocator), for
-// a host output. Refused during graph capture: the op waits for its stream before it
-// returns so that host outputs are complete, which a graph cannot do.
-template <size_t N>
-Buffer empty_pinned(const int64_t (&sizes)[N], DType dtype, int32_t device, const char* op) {
+// A program with host outputs is refused during graph capture: the op waits for its
+// stream before it returns so that host outputs are complete, which a graph cannot do.
+// Called with the input checks, before anything is queued (a host output may be
+// allocated after earlier GEMMs were captured).
+inline void refuse_capture_of_host_outputs(int32_t device, const char* op) {
   CG_CHECK(!capturing(current_stream(device, op), op), op,
            ": a program with host outputs (cg.output(..., device=\"cpu\")) cannot be captured "
            "in a CUDA graph: the op waits until its host outputs are complete. Capture a "
            "program with GPU outputs and copy them out yourself");
+}
+
+// A new contiguous tensor in pinned host memory (PyTorch's caching host allocator), for
+// a host output (refused during graph capture, as above).
+template <size_t N>
+Buffer empty_pinned(const int64_t (&sizes)[N], DType dtype, int32_t device, const char* op) {
+  refuse_capture_of_host_outputs(device, op);
   int64_t strides[N];
   int64_t stride = 1;
   for (size_t d = N; d-- > 0;) {
