@@ -220,15 +220,24 @@ class PendingHostTensors {
     }
   }
 
-  void add(int32_t device, cudaStream_t stream, std::vector<torch::stable::Tensor> tensors,
+  // Takes `tensors` only once their event is recorded: on a throw they stay with the
+  // caller (HostTensors then waits for the stream before releasing them).
+  void add(int32_t device, cudaStream_t stream, std::vector<torch::stable::Tensor>& tensors,
            const char* op) {
     if (batches_.size() >= kMaxPending) {
-      (void)cudaEventSynchronize(batches_.front().event);
+      // Relaxed: another thread's global-mode capture would refuse the wait, and the
+      // batch would be released while its copies may still run.
+      const RelaxedCapture relaxed;
+      if (cudaEventSynchronize(batches_.front().event) != cudaSuccess) {
+        (void)cudaGetLastError();  // released anyway: the event can no longer tell
+      }
       pop_front();
     }
-    Batch b{device, take_event(device, op), std::move(tensors)};
-    check_cuda(cudaEventRecord(b.event, stream), op, "cudaEventRecord");
-    batches_.push_back(std::move(b));
+    cudaEvent_t event = take_event(device, op);
+    const cudaError_t status = cudaEventRecord(event, stream);
+    if (status != cudaSuccess) free_events_.emplace_back(device, event);
+    check_cuda(status, op, "cudaEventRecord");
+    batches_.push_back(Batch{device, event, std::move(tensors)});
   }
 
   ~PendingHostTensors() {
@@ -292,12 +301,18 @@ class HostTensors {
 
   ~HostTensors() {
     if (tensors_.empty()) return;
+    cudaStream_t caller = nullptr;
     try {
-      const cudaStream_t caller = current_stream(device_, op_);
+      caller = current_stream(device_, op_);
       if (capturing(caller, op_)) return;
-      PendingHostTensors::of_thread().add(device_, caller, std::move(tensors_), op_);
+      PendingHostTensors::of_thread().add(device_, caller, tensors_, op_);
     } catch (...) {
-      // No throwing from a destructor; without an event the tensors are released now.
+      // No throwing from a destructor. Without an event, wait for the caller's stream
+      // (past the join) before the tensors are released, so no copy still reads them.
+      if (!tensors_.empty() && caller != nullptr) {
+        const RelaxedCapture relaxed;
+        if (cudaStreamSynchronize(caller) != cudaSuccess) (void)cudaGetLastError();
+      }
     }
   }
 
