@@ -99,7 +99,7 @@ inline HostBuffer host_input(const torch::stable::Tensor& t, const char* op, con
                              DType dtype, int rank, const char* type, int32_t device) {
   AtenTensorHandle h = t.get();
   CG_CHECK(h != nullptr, op, ": argument ", arg, " is an undefined tensor");
-  int32_t device_type = 0, index = 0, code = 0;
+  int32_t device_type = 0, index = 0;
   check_shim(aoti_torch_get_device_type(h, &device_type), op, "reading a device");
   if (device_type != aoti_torch_device_type_cpu()) {
     check_shim(aoti_torch_get_device_index(h, &index), op, "reading a device");
@@ -110,31 +110,12 @@ inline HostBuffer host_input(const torch::stable::Tensor& t, const char* op, con
              ".cpu(), pinned with .pin_memory() for overlapped copies) or declare it "
              "cg.input(..., device=\"cuda\")"));
   }
-  check_shim(aoti_torch_get_dtype(h, &code), op, "reading a dtype");
-  CG_CHECK(code == aoti_dtype(dtype), op, ": argument ", arg, " must be ",
-           dtype_name(aoti_dtype(dtype)), ", got ", dtype_name(code));
-  int64_t dim = 0;
-  int64_t *sizes = nullptr, *strides = nullptr;
-  check_shim(aoti_torch_get_dim(h, &dim), op, "reading a rank");
-  check_shim(aoti_torch_get_sizes(h, &sizes), op, "reading sizes");
-  check_shim(aoti_torch_get_strides(h, &strides), op, "reading strides");
-  CG_CHECK(dim == rank, op, ": argument ", arg, " must have rank ", rank, " ", type,
-           ", got shape ", Dims{sizes, dim});
-  void* data = nullptr;
-  check_shim(aoti_torch_get_data_ptr(h, &data), op, "reading a data pointer");
   HostBuffer b;
-  b.tensor = t;
+  read_argument(t, op, arg, dtype, rank, type, &b);
   b.device = -1;
-  b.data = static_cast<char*>(data);
-  b.dim = rank;
-  b.itemsize = itemsize(dtype);
   int64_t numel = 1;
-  for (int d = 0; d < rank; ++d) {
-    b.sizes[d] = sizes[d];
-    b.strides[d] = strides[d];
-    numel *= sizes[d];
-  }
-  b.pinned = numel == 0 || is_pinned(data);  // nothing to copy: nothing to warn about
+  for (int d = 0; d < rank; ++d) numel *= b.sizes[d];
+  b.pinned = numel == 0 || is_pinned(b.data);  // nothing to copy: nothing to warn about
   if (!b.pinned) {
     CG_CHECK(!capturing(current_stream(device, op), op), op, ": argument ", arg,
              " is in pageable host memory, which a CUDA graph cannot copy from; pass ", arg,

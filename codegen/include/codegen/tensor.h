@@ -83,17 +83,13 @@ inline void check_shim(AOTITorchError status, const char* op, const char* what) 
   CG_CHECK(status == AOTI_TORCH_SUCCESS, op, ": ", what, " failed in torch");
 }
 
-// Argument `arg` of op: a CUDA tensor of dtype `dtype` and rank `rank` (`type` spells
-// the declared type, e.g. "float32[m, k]", for the message). Reads its view once.
-inline Buffer input(const torch::stable::Tensor& t, const char* op, const char* arg,
-                    DType dtype, int rank, const char* type) {
+// Checks argument `arg`'s dtype and rank (`type` spells the declared type, e.g.
+// "float32[m, k]", for the message) and reads its view into `b` (device checks are the
+// caller's: a GPU argument and a host argument differ there).
+inline void read_argument(const torch::stable::Tensor& t, const char* op, const char* arg,
+                          DType dtype, int rank, const char* type, Buffer* b) {
   AtenTensorHandle h = t.get();
-  CG_CHECK(h != nullptr, op, ": argument ", arg, " is an undefined tensor");
-  int32_t device_type = 0, device = 0, code = 0;
-  check_shim(aoti_torch_get_device_type(h, &device_type), op, "reading a device");
-  CG_CHECK(device_type == aoti_torch_device_type_cuda(), op, ": argument ", arg,
-           " must be a CUDA tensor, got a tensor on ", device_type_name(device_type));
-  check_shim(aoti_torch_get_device_index(h, &device), op, "reading a device");
+  int32_t code = 0;
   check_shim(aoti_torch_get_dtype(h, &code), op, "reading a dtype");
   CG_CHECK(code == aoti_dtype(dtype), op, ": argument ", arg, " must be ",
            dtype_name(aoti_dtype(dtype)), ", got ", dtype_name(code));
@@ -106,16 +102,30 @@ inline Buffer input(const torch::stable::Tensor& t, const char* op, const char* 
            ", got shape ", Dims{sizes, dim});
   void* data = nullptr;
   check_shim(aoti_torch_get_data_ptr(h, &data), op, "reading a data pointer");
-  Buffer b;
-  b.tensor = t;
-  b.device = device;
-  b.data = static_cast<char*>(data);
-  b.dim = rank;
-  b.itemsize = itemsize(dtype);
+  b->tensor = t;
+  b->data = static_cast<char*>(data);
+  b->dim = rank;
+  b->itemsize = itemsize(dtype);
   for (int d = 0; d < rank; ++d) {
-    b.sizes[d] = sizes[d];
-    b.strides[d] = strides[d];
+    b->sizes[d] = sizes[d];
+    b->strides[d] = strides[d];
   }
+}
+
+// Argument `arg` of op: a CUDA tensor of dtype `dtype` and rank `rank` (`type` spells
+// the declared type, e.g. "float32[m, k]", for the message). Reads its view once.
+inline Buffer input(const torch::stable::Tensor& t, const char* op, const char* arg,
+                    DType dtype, int rank, const char* type) {
+  AtenTensorHandle h = t.get();
+  CG_CHECK(h != nullptr, op, ": argument ", arg, " is an undefined tensor");
+  int32_t device_type = 0, device = 0;
+  check_shim(aoti_torch_get_device_type(h, &device_type), op, "reading a device");
+  CG_CHECK(device_type == aoti_torch_device_type_cuda(), op, ": argument ", arg,
+           " must be a CUDA tensor, got a tensor on ", device_type_name(device_type));
+  check_shim(aoti_torch_get_device_index(h, &device), op, "reading a device");
+  Buffer b;
+  read_argument(t, op, arg, dtype, rank, type, &b);
+  b.device = device;
   return b;
 }
 
