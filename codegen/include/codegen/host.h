@@ -141,28 +141,12 @@ inline void refuse_capture_of_host_outputs(int32_t device, const char* op) {
 template <size_t N>
 Buffer empty_pinned(const int64_t (&sizes)[N], DType dtype, int32_t device, const char* op) {
   refuse_capture_of_host_outputs(device, op);
-  int64_t strides[N];
-  int64_t stride = 1;
-  for (size_t d = N; d-- > 0;) {
-    strides[d] = stride;
-    stride *= std::max<int64_t>(sizes[d], 1);
-  }
-  AtenTensorHandle h = nullptr;
-  check_shim(aoti_torch_empty_strided_pinned(static_cast<int64_t>(N), sizes, strides,
-                                             aoti_dtype(dtype), aoti_torch_device_type_cpu(),
-                                             0, &h),
-             op, "allocating a pinned host output");
-  Buffer b;
-  b.tensor = torch::stable::Tensor(h);
-  void* data = nullptr;
-  check_shim(aoti_torch_get_data_ptr(h, &data), op, "reading a data pointer");
-  b.data = static_cast<char*>(data);
-  b.dim = static_cast<int>(N);
-  b.itemsize = itemsize(dtype);
-  for (size_t d = 0; d < N; ++d) {
-    b.sizes[d] = sizes[d];
-    b.strides[d] = strides[d];
-  }
+  Buffer b = new_contiguous(sizes, dtype, -1, op, "allocating a pinned host output",
+                            [&](const int64_t* s, const int64_t* st, AtenTensorHandle* h) {
+                              return aoti_torch_empty_strided_pinned(
+                                  static_cast<int64_t>(N), s, st, aoti_dtype(dtype),
+                                  aoti_torch_device_type_cpu(), 0, h);
+                            });
   return b;
 }
 

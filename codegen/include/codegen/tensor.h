@@ -4,7 +4,6 @@
 #pragma once
 
 #include <torch/csrc/inductor/aoti_torch/c/shim.h>
-#include <torch/csrc/inductor/aoti_torch/generated/c_shim_aten.h>
 #include <torch/csrc/stable/tensor.h>
 
 #include <algorithm>
@@ -136,9 +135,11 @@ inline void same_device(const Buffer& t, const char* arg, const Buffer& first,
            "; all inputs must be on one device");
 }
 
-// A new contiguous tensor from PyTorch's caching allocator, on the current stream.
-template <size_t N>
-Buffer empty(const int64_t (&sizes)[N], DType dtype, int32_t device, const char* op) {
+// A new contiguous tensor of `sizes`: allocated by `allocate(sizes, strides, handle)`
+// (one of the AOTI shim's empty_strided functions), its view read once.
+template <size_t N, typename Allocate>
+Buffer new_contiguous(const int64_t (&sizes)[N], DType dtype, int32_t device, const char* op,
+                      const char* what, Allocate allocate) {
   int64_t strides[N];
   int64_t stride = 1;
   for (size_t d = N; d-- > 0;) {
@@ -146,10 +147,7 @@ Buffer empty(const int64_t (&sizes)[N], DType dtype, int32_t device, const char*
     stride *= std::max<int64_t>(sizes[d], 1);
   }
   AtenTensorHandle h = nullptr;
-  check_shim(aoti_torch_empty_strided(static_cast<int64_t>(N), sizes, strides,
-                                      aoti_dtype(dtype), aoti_torch_device_type_cuda(), device,
-                                      &h),
-             op, "allocating an output");
+  check_shim(allocate(sizes, strides, &h), op, what);
   Buffer b;
   b.tensor = torch::stable::Tensor(h);
   b.device = device;
@@ -165,11 +163,15 @@ Buffer empty(const int64_t (&sizes)[N], DType dtype, int32_t device, const char*
   return b;
 }
 
-// n ones: the column that broadcasts a bias through a rank-1 GEMM.
-inline Buffer ones(int64_t n, DType dtype, int32_t device, const char* op) {
-  Buffer b = empty({n}, dtype, device, op);
-  check_shim(aoti_torch_aten_fill__Scalar(b.tensor.get(), 1.0), op, "filling ones");
-  return b;
+// A new contiguous tensor from PyTorch's caching allocator, on the current stream.
+template <size_t N>
+Buffer empty(const int64_t (&sizes)[N], DType dtype, int32_t device, const char* op) {
+  return new_contiguous(sizes, dtype, device, op, "allocating an output",
+                        [&](const int64_t* s, const int64_t* st, AtenTensorHandle* h) {
+                          return aoti_torch_empty_strided(
+                              static_cast<int64_t>(N), s, st, aoti_dtype(dtype),
+                              aoti_torch_device_type_cuda(), device, h);
+                        });
 }
 
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
