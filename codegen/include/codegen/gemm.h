@@ -115,6 +115,46 @@ inline int to_int(int64_t v, const char* op, const char* what) {
   return static_cast<int>(v);
 }
 
+// Row-major c[B?, M, N] = a[B?, M, K] @ b[B?, K, N] as cuBLAS sees it: column-major
+// c^T = b^T a^T, so b is cuBLAS's first operand. A batch of row-major [M, K] slabs times
+// one shared b folds into one tall GEMM of batch * M rows.
+struct GemmArgs {
+  int64_t rows = 0, N = 0, K = 0, ldc = 0;
+  int64_t batch = 1, sa = 0, sb = 0, sc = 0;  // batch strides; 0 = shared by every batch
+  Operand oa{}, ob{};
+};
+
+inline GemmArgs gemm_args(const View& c, const View& a, const View& b, const char* op) {
+  GemmArgs g;
+  const int64_t M = c.sizes[c.dim - 2];
+  g.rows = M;
+  g.N = c.sizes[c.dim - 1];
+  g.K = a.sizes[a.dim - 1];
+  g.ldc = M <= 1 ? g.N : c.strides[c.dim - 2];
+  g.batch = c.dim == 3 ? c.sizes[0] : 1;
+  g.sa = a.dim == 3 ? a.strides[0] : 0;
+  g.sb = b.dim == 3 ? b.strides[0] : 0;
+  g.sc = c.dim == 3 ? c.strides[0] : 0;
+  const int64_t ar = a.strides[a.dim - 2], ac = a.strides[a.dim - 1];
+  if (g.batch > 1 && g.sb == 0 && ac == 1 && g.sa == M * ar && g.sc == M * g.ldc) {
+    g.rows = g.batch * M;
+    g.batch = 1;
+  }
+  CG_CHECK(as_operand(g.rows, g.K, ar, ac, &g.oa), op, ": unreadable layout of a (bug)");
+  CG_CHECK(as_operand(g.K, g.N, b.strides[b.dim - 2], b.strides[b.dim - 1], &g.ob), op,
+           ": unreadable layout of b (bug)");
+  return g;
+}
+
+// alpha or beta as cuBLAS reads it: a double for fp64 accumulation, else a float.
+struct Scalar {
+  float f;
+  double d;
+  const void* as(cublasComputeType_t compute) const {
+    return compute == CUBLAS_COMPUTE_64F ? static_cast<const void*>(&d) : &f;
+  }
+};
+
 // ---- cuBLAS (the fallback) ---------------------------------------------------------
 
 // n ones on `device` for broadcasting a bias through a rank-1 GEMM, shared read-only by
@@ -131,9 +171,7 @@ inline View ones_column(int64_t n, DType dtype, int32_t device, cudaStream_t str
       return buffer;
     }
   }
-  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-  check_cuda(cudaStreamIsCapturing(stream, &capture), op, "cudaStreamIsCapturing");
-  CG_CHECK(capture == cudaStreamCaptureStatusNone, op,
+  CG_CHECK(!capturing(stream, op), op,
            ": a linear with a bias this GEMM cannot fuse needs a column of ", n,
            " ones, made outside graph capture: call the op once before capturing it");
   const int64_t rows = std::max<int64_t>(n, 1024);
@@ -146,20 +184,16 @@ inline View ones_column(int64_t n, DType dtype, int32_t device, cudaStream_t str
 
 // c = a @ b (+ c when accumulating) through cublasGemmEx on PyTorch's handle, bound to
 // the current stream (with PyTorch's workspace for it).
-inline void gemm_cublas(int n, int m, int k, const Operand& oa, const Operand& ob,
-                        int64_t sa, int64_t sb, int64_t sc, int64_t batch, const View& c,
-                        int ldc, const View& a, const View& b, const GemmType& type,
-                        bool accumulate, const char* op) {
+inline void gemm_cublas(const GemmArgs& g, const View& c, const View& a, const View& b,
+                        const GemmType& type, bool accumulate, const char* op) {
   void* raw_handle = nullptr;
   CG_CHECK(torch_get_current_cuda_blas_handle(&raw_handle) == AOTI_TORCH_SUCCESS, op,
            ": getting PyTorch's cuBLAS handle failed");
   cublasHandle_t handle = static_cast<cublasHandle_t>(raw_handle);
-  const float alpha32 = 1.f, beta32 = accumulate ? 1.f : 0.f;
-  const double alpha64 = 1.0, beta64 = accumulate ? 1.0 : 0.0;
-  const bool f64 = type.compute == CUBLAS_COMPUTE_64F;
-  const void* alpha = f64 ? static_cast<const void*>(&alpha64) : &alpha32;
-  const void* beta = f64 ? static_cast<const void*>(&beta64) : &beta32;
-  const int lda = to_int(oa.ld, op, "lda"), ldb = to_int(ob.ld, op, "ldb");
+  const Scalar alpha{1.f, 1.0}, beta{accumulate ? 1.f : 0.f, accumulate ? 1.0 : 0.0};
+  const int n = to_int(g.N, op, "N"), m = to_int(g.rows, op, "M"), k = to_int(g.K, op, "K");
+  const int lda = to_int(g.oa.ld, op, "lda"), ldb = to_int(g.ob.ld, op, "ldb");
+  const int ldc = to_int(g.ldc, op, "ldc");
   if (type.disallow_reduced_precision()) {
     check_cublas(cublasSetMathMode(handle, static_cast<cublasMath_t>(
                                                CUBLAS_DEFAULT_MATH |
@@ -167,15 +201,15 @@ inline void gemm_cublas(int n, int m, int k, const Operand& oa, const Operand& o
                  op);
   }
   cublasStatus_t status;
-  if (batch == 1) {
-    status = cublasGemmEx(handle, ob.op, oa.op, n, m, k, alpha, b.data, type.data, ldb, a.data,
-                          type.data, lda, beta, c.data, type.data, ldc, type.compute,
-                          CUBLAS_GEMM_DEFAULT);
+  if (g.batch == 1) {
+    status = cublasGemmEx(handle, g.ob.op, g.oa.op, n, m, k, alpha.as(type.compute), b.data,
+                          type.data, ldb, a.data, type.data, lda, beta.as(type.compute), c.data,
+                          type.data, ldc, type.compute, CUBLAS_GEMM_DEFAULT);
   } else {
-    status = cublasGemmStridedBatchedEx(handle, ob.op, oa.op, n, m, k, alpha, b.data, type.data,
-                                        ldb, sb, a.data, type.data, lda, sa, beta, c.data,
-                                        type.data, ldc, sc, to_int(batch, op, "batch"),
-                                        type.compute, CUBLAS_GEMM_DEFAULT);
+    status = cublasGemmStridedBatchedEx(
+        handle, g.ob.op, g.oa.op, n, m, k, alpha.as(type.compute), b.data, type.data, ldb, g.sb,
+        a.data, type.data, lda, g.sa, beta.as(type.compute), c.data, type.data, ldc, g.sc,
+        to_int(g.batch, op, "batch"), type.compute, CUBLAS_GEMM_DEFAULT);
   }
   if (type.disallow_reduced_precision()) (void)cublasSetMathMode(handle, CUBLAS_DEFAULT_MATH);
   check_cublas(status, op);
@@ -229,8 +263,8 @@ class Gemms {
     const int64_t batches = c.dim == 3 ? c.sizes[0] : 1;
     if (M == 0 || N == 0 || batches == 0) return;  // an empty slice: nothing to do
     test_fault_point(op);
-    const int64_t ldc = M <= 1 ? N : c.strides[c.dim - 2];
     if (K == 0 && bias == nullptr) {  // a sum over nothing: zeros
+      const int64_t ldc = M <= 1 ? N : c.strides[c.dim - 2];
       for (int64_t bi = 0; bi < batches; ++bi) {
         char* base = c.data + (c.dim == 3 ? bi * c.strides[0] * c.itemsize : 0);
         check_cuda(cudaMemset2DAsync(base, ldc * c.itemsize, 0, N * c.itemsize, M,
@@ -239,29 +273,17 @@ class Gemms {
       }
       return;
     }
-    if (K > 0 && stream.workspace != nullptr && cublaslt_enabled() && fusable(bias)) {
-      int64_t rows = M, batch = batches;
-      const int64_t sa = a.dim == 3 ? a.strides[0] : 0, sb = b.dim == 3 ? b.strides[0] : 0;
-      const int64_t sc = c.dim == 3 ? c.strides[0] : 0;
-      // A batch of row-major [M, K] slabs times one shared b is one tall GEMM.
-      const int64_t ar = a.strides[a.dim - 2], ac = a.strides[a.dim - 1];
-      if (batch > 1 && sb == 0 && ac == 1 && sa == M * ar && sc == M * ldc) {
-        rows = batch * M;
-        batch = 1;
-      }
-      Operand oa, ob;
-      CG_CHECK(as_operand(rows, K, ar, ac, &oa), op, ": unreadable layout of a (bug)");
-      CG_CHECK(as_operand(K, N, b.strides[b.dim - 2], b.strides[b.dim - 1], &ob), op,
-               ": unreadable layout of b (bug)");
-      // Row-major c = a @ b is column-major c^T = b^T a^T.
-      if (gemm_lt(to_int(N, op, "N"), to_int(rows, op, "M"), to_int(K, op, "K"), ob, oa, sb, sa,
-                  sc, batch, c, to_int(ldc, op, "ldc"), b, a, bias, stream)) {
+    GemmArgs g;
+    if (K > 0) {
+      g = gemm_args(c, a, b, op);
+      if (stream.workspace != nullptr && cublaslt_enabled() && fusable(bias) &&
+          gemm_lt(g, c, a, b, bias, stream)) {
         return;
       }
-    }
-    if (bias == nullptr) {
-      gemm_unfused(c, a, b, /*accumulate=*/false, stream, type_);
-      return;
+      if (bias == nullptr) {
+        gemm_cublas(g, c, a, b, type_, /*accumulate=*/false, op);
+        return;
+      }
     }
     // The bias first, by a rank-1 GEMM (ones[M, 1] @ bias[1, N]), then the product
     // accumulates onto it.
@@ -285,27 +307,8 @@ class Gemms {
     // in fp32 (addmm's epilogue).
     GemmType exact = type_;
     if (exact.compute == CUBLAS_COMPUTE_32F_FAST_TF32) exact.compute = CUBLAS_COMPUTE_32F_PEDANTIC;
-    gemm_unfused(c, col, row, /*accumulate=*/false, stream, exact);
-    if (K > 0) gemm_unfused(c, a, b, /*accumulate=*/true, stream, type_);
-  }
-
-  // The same GEMM with no bias, accumulating or not, through cublasGemmEx.
-  void gemm_unfused(const View& c, const View& a, const View& b, bool accumulate,
-                    const Stream& stream, const GemmType& type) {
-    const char* op = op_;
-    const int64_t M = c.sizes[c.dim - 2], N = c.sizes[c.dim - 1], K = a.sizes[a.dim - 1];
-    int64_t batch = c.dim == 3 ? c.sizes[0] : 1;
-    const int64_t ldc = M <= 1 ? N : c.strides[c.dim - 2];
-    int64_t sa = a.dim == 3 ? a.strides[0] : 0, sb = b.dim == 3 ? b.strides[0] : 0;
-    int64_t sc = c.dim == 3 ? c.strides[0] : 0;
-    Operand oa, ob;
-    CG_CHECK(as_operand(M, K, a.strides[a.dim - 2], a.strides[a.dim - 1], &oa), op,
-             ": unreadable layout of a (bug)");
-    CG_CHECK(as_operand(K, N, b.strides[b.dim - 2], b.strides[b.dim - 1], &ob), op,
-             ": unreadable layout of b (bug)");
-    (void)stream;  // cublasGemmEx runs on PyTorch's current stream, which is `stream`
-    gemm_cublas(to_int(N, op, "N"), to_int(M, op, "M"), to_int(K, op, "K"), oa, ob, sa, sb, sc,
-                batch, c, to_int(ldc, op, "ldc"), a, b, type, accumulate, op);
+    gemm_cublas(gemm_args(c, col, row, op), c, col, row, exact, /*accumulate=*/false, op);
+    if (K > 0) gemm_cublas(g, c, a, b, type_, /*accumulate=*/true, op);
   }
 
   // cuBLASLt's bias epilogue reads a contiguous, 16-byte aligned vector.
@@ -315,9 +318,9 @@ class Gemms {
            reinterpret_cast<uintptr_t>(bias->data) % 16 == 0;
   }
 
-  // Column-major D[m, n] = op(A) op(B) (+ bias[m]), in cuBLAS's terms (gemm_plan.h).
-  bool gemm_lt(int m, int n, int k, const Operand& oa, const Operand& ob, int64_t sa, int64_t sb,
-               int64_t sc, int64_t batch, const View& c, int ldc, const View& a, const View& b,
+  // c = a @ b (+ bias) as one cublasLtMatmul from a cached plan (gemm_plan.h); false
+  // where there is no plan, for cublasGemmEx to take.
+  bool gemm_lt(const GemmArgs& g, const View& c, const View& a, const View& b,
                const View* bias, const Stream& stream);
 
   DType dtype_;

@@ -226,20 +226,17 @@ inline cublasLtHandle_t lt_handle(int32_t device, const char* op) {
   return static_cast<cublasLtHandle_t>(h);
 }
 
-// Column-major D[m, n] = op(A) op(B) (+ bias[m]) as one cublasLtMatmul on `stream` with
-// its workspace. False when there is no plan (graph capture of a new shape, the cache
-// full, no algorithm): the caller then takes cublasGemmEx.
-inline bool Gemms::gemm_lt(int m, int n, int k, const Operand& oa, const Operand& ob, int64_t sa,
-                           int64_t sb, int64_t sc, int64_t batch, const View& c, int ldc,
-                           const View& a, const View& b, const View* bias,
-                           const Stream& stream) {
+// c = a @ b (+ bias) as one cublasLtMatmul on `stream` with its workspace. In cuBLASLt's
+// terms (column-major D = op(A) op(B) + bias): A is b, B is a, D is c^T, bias has one
+// value per row of D. False when there is no plan (graph capture of a new shape, the
+// cache full, no algorithm, an operand shared by every batch): cublasGemmEx then runs it.
+inline bool Gemms::gemm_lt(const GemmArgs& g, const View& c, const View& a, const View& b,
+                           const View* bias, const Stream& stream) {
   const char* op = op_;
-  if (batch > 1 && (sa == 0 || sb == 0)) return false;  // a shared operand: cublasGemmEx
+  if (g.batch > 1 && (g.sa == 0 || g.sb == 0)) return false;
   Workspace& ws = *stream.workspace;
-  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
   if (!ws.ready) {
-    check_cuda(cudaStreamIsCapturing(stream.handle, &capture), op, "cudaStreamIsCapturing");
-    if (capture != cudaStreamCaptureStatusNone) return false;
+    if (capturing(stream.handle, op)) return false;  // no allocation during capture
     const int64_t size = static_cast<int64_t>(workspace_bytes());
     if (size > 0) {
       // Allocated while `stream` is PyTorch's current stream: the block belongs to it.
@@ -261,48 +258,38 @@ inline bool Gemms::gemm_lt(int m, int n, int k, const Operand& oa, const Operand
   key.reduction = static_cast<int>(type_.reduction);
   key.epilogue = bias != nullptr ? CUBLASLT_EPILOGUE_BIAS : 0;
   key.sm_count = sm_count_;
-  key.transa = oa.op;
-  key.transb = ob.op;
-  key.m = m, key.n = n, key.k = k, key.lda = oa.ld, key.ldb = ob.ld, key.ldc = ldc;
-  key.batch = batch, key.stride_a = sa, key.stride_b = sb, key.stride_c = sc;
-  key.align_a = alignment(a.data), key.align_b = alignment(b.data);
+  key.transa = g.ob.op;  // cuBLASLt's A is b
+  key.transb = g.oa.op;
+  key.m = to_int(g.N, op, "N"), key.n = to_int(g.rows, op, "M"), key.k = to_int(g.K, op, "K");
+  key.lda = g.ob.ld, key.ldb = g.oa.ld, key.ldc = g.ldc;
+  key.batch = g.batch, key.stride_a = g.sb, key.stride_b = g.sa, key.stride_c = g.sc;
+  key.align_a = alignment(b.data), key.align_b = alignment(a.data);
   key.align_c = alignment(c.data);
   key.align_bias = bias != nullptr ? alignment(bias->data) : 0;
   thread_local PlanKey last_key;
   thread_local Plan* last_plan = nullptr;
   Plan* plan = last_plan;
   if (plan == nullptr || !(key == last_key)) {
-    if (capture == cudaStreamCaptureStatusNone) {
-      check_cuda(cudaStreamIsCapturing(stream.handle, &capture), op, "cudaStreamIsCapturing");
-    }
     plan = PlanCache::get().find(key, lt_handle(device_, op), ws.size,
                                  bias != nullptr ? bias->data : nullptr,
-                                 capture == cudaStreamCaptureStatusNone, op);
+                                 /*may_query=*/!capturing(stream.handle, op), op);
     if (plan == nullptr) return false;
     last_key = key;
     last_plan = plan;
   }
   if (!plan->usable) return false;
-  const float alpha32 = 1.f, beta32 = 0.f;
-  const double alpha64 = 1.0, beta64 = 0.0;
-  const bool f64 = type_.compute == CUBLAS_COMPUTE_64F;
-  const void* alpha = f64 ? static_cast<const void*>(&alpha64) : &alpha32;
-  const void* beta = f64 ? static_cast<const void*>(&beta64) : &beta32;
-  cublasLtHandle_t handle = lt_handle(device_, op);
-  cublasStatus_t status;
+  const Scalar alpha{1.f, 1.0}, beta{0.f, 0.0};
+  std::unique_lock<std::mutex> lock;  // the bias pointer is set on the shared descriptor
   if (bias != nullptr) {
-    std::lock_guard<std::mutex> lock(plan->bias_mutex);
+    lock = std::unique_lock<std::mutex>(plan->bias_mutex);
     const void* pointer = bias->data;
     check_cublas(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER,
                                                 &pointer, sizeof pointer), op);
-    status = cublasLtMatmul(handle, plan->desc, alpha, a.data, plan->a, b.data, plan->b, beta,
-                            c.data, plan->c, c.data, plan->c, &plan->algo, ws.data, ws.size,
-                            stream.handle);
-  } else {
-    status = cublasLtMatmul(handle, plan->desc, alpha, a.data, plan->a, b.data, plan->b, beta,
-                            c.data, plan->c, c.data, plan->c, &plan->algo, ws.data, ws.size,
-                            stream.handle);
   }
+  const cublasStatus_t status = cublasLtMatmul(
+      lt_handle(device_, op), plan->desc, alpha.as(type_.compute), b.data, plan->a, a.data,
+      plan->b, beta.as(type_.compute), c.data, plan->c, c.data, plan->c, &plan->algo, ws.data,
+      ws.size, stream.handle);
   check_cublas(status, op);
   return true;
 }

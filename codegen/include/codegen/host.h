@@ -60,31 +60,18 @@ inline bool is_pinned(const void* data) {
   return attributes.type == cudaMemoryTypeHost;
 }
 
-inline bool capturing(cudaStream_t stream, const char* op) {
-  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
-  check_cuda(cudaStreamIsCapturing(stream, &status), op, "cudaStreamIsCapturing");
-  return status != cudaStreamCaptureStatusNone;
-}
-
-inline cudaStream_t current_stream(int32_t device, const char* op) {
-  void* handle = nullptr;
-  check_shim(aoti_torch_get_current_cuda_stream(device, &handle), op,
-             "getting the current CUDA stream");
-  return static_cast<cudaStream_t>(handle);
-}
-
-// One flag for the whole process, shared by every compiled program: the inline function
-// has default visibility, so its static is a unique symbol across libraries (the rest of
-// the runtime is hidden in each program). Versioned in its name, as it is an ABI.
-__attribute__((visibility("default"))) inline std::atomic<bool>& pageable_warned_v1() {
+// One flag for every program in the process, shared as the stream pool is (stream.h).
+inline namespace CODEGEN_RT_ABI {
+__attribute__((visibility("default"))) inline std::atomic<bool>& pageable_warned() {
   static std::atomic<bool> warned{false};
   return warned;
 }
+}  // namespace CODEGEN_RT_ABI
 
 // Through TORCH_WARN's C entry point (aoti_torch_warn): c10's warning handler prints it on
 // stderr; torch.ops calls do not turn it into a Python warning (tests/test_copy.py).
 inline void warn_pageable_once(const char* op, const char* arg) {
-  if (pageable_warned_v1().exchange(true)) return;
+  if (pageable_warned().exchange(true)) return;
   const std::string message =
       msg(op, ": argument ", arg, " is in pageable host memory, so its copies to the GPU "
           "cannot overlap the GEMMs (the results are right). Pass ", arg,

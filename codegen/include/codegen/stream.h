@@ -152,6 +152,21 @@ __attribute__((visibility("default"))) inline Lease& thread_lease(int32_t device
 
 }  // namespace CODEGEN_RT_ABI
 
+// PyTorch's current stream on `device`.
+inline cudaStream_t current_stream(int32_t device, const char* op) {
+  void* handle = nullptr;
+  CG_CHECK(aoti_torch_get_current_cuda_stream(device, &handle) == AOTI_TORCH_SUCCESS, op,
+           ": getting the current CUDA stream failed");
+  return static_cast<cudaStream_t>(handle);
+}
+
+// Whether `stream` is being captured into a CUDA graph.
+inline bool capturing(cudaStream_t stream, const char* op) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  check_cuda(cudaStreamIsCapturing(stream, &status), op, "cudaStreamIsCapturing");
+  return status != cudaStreamCaptureStatusNone;
+}
+
 inline void set_torch_stream(cudaStream_t stream, int32_t device) {
   CG_CHECK(torch_set_current_cuda_stream(stream, device) == AOTI_TORCH_SUCCESS,
            "codegen: setting the current CUDA stream failed");
@@ -171,10 +186,7 @@ const torch::stable::Tensor& tensor_of(const T& t) {
 class Streams {
  public:
   explicit Streams(int32_t device) : device_(device), lease_(&thread_lease(device)) {
-    void* handle = nullptr;
-    CG_CHECK(aoti_torch_get_current_cuda_stream(device, &handle) == AOTI_TORCH_SUCCESS,
-             "codegen: getting the current CUDA stream failed");
-    caller_ = {static_cast<cudaStream_t>(handle), lease_->caller_event, -1};
+    caller_ = {current_stream(device, "codegen"), lease_->caller_event, -1};
     current_ = caller_;
   }
   Streams(const Streams&) = delete;
