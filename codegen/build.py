@@ -42,7 +42,14 @@ import torch
 from . import collectives, distributed
 from . import hostir as hir
 from .evaluator import check_inputs, program_device
-from .render import NAMESPACE, include_dir, op_name, program_digest, render
+from .render import (
+    NAMESPACE,
+    include_dir,
+    op_name,
+    program_digest,
+    render,
+    runtime_headers_digest,
+)
 
 # The oldest torch whose stable ABI the generated C++ targets (the GPU machine's 2.11):
 # one source builds and loads on 2.11 and newer.
@@ -125,7 +132,7 @@ def _toolchain(gold: bool) -> Toolchain:
                          "/usr/local/cuda and next to nvcc); set CUDA_HOME")
     torch_dir = Path(torch.__file__).resolve().parent
     cflags = (
-        "-std=c++20", "-fPIC", *CFLAGS, f"-DCODEGEN_RT_ABI=r{_runtime_digest()[:16]}",
+        "-std=c++20", "-fPIC", *CFLAGS, f"-DCODEGEN_RT_ABI=r{runtime_headers_digest()[:16]}",
         f"-isystem{torch_dir / 'include'}", f"-isystem{Path(home) / 'include'}",
         # After the toolkit's own include folder: the wheels also carry a partial runtime.
         *(f"-idirafter{d}" for d in _wheel_cuda_includes()),
@@ -138,15 +145,6 @@ def _toolchain(gold: bool) -> Toolchain:
                "-ltorch_cuda", "-ltorch", f"-L{cuda_lib}", "-lcudart",
                f"-Wl,-rpath,{torch_dir / 'lib'}")
     return Toolchain(tuple(shlex.split(os.environ.get("CXX") or "c++")), cflags, ldflags)
-
-
-def _runtime_digest() -> str:
-    """A hash of the runtime headers: the version of the objects every program in a
-    process shares (stream.h), so programs built from other headers never share them."""
-    h = hashlib.sha256()
-    for header in sorted(include_dir().rglob("*.h")):
-        h.update(header.name.encode() + b"\0" + header.read_bytes() + b"\0")
-    return h.hexdigest()
 
 
 def _run(command: list[str], log_path: Path, what: str) -> None:
@@ -169,17 +167,19 @@ def _precompiled_runtime(tools: Toolchain) -> Path | None:
     exclusive lock and stamped like an op, so a killed build is rebuilt by the next
     process. Put before the package's include folder, GCC takes the .gch when its flags
     match and silently reads the headers otherwise; None when it cannot be built (then
-    programs build without it, just slower)."""
+    programs build without it, just slower). The flags name the headers' hash
+    (CODEGEN_RT_ABI); the .gch is renamed into place whole, so the stamp checks its size
+    rather than hashing 115 MB on every build."""
     headers = sorted(include_dir().rglob("*.h"))
-    texts = b"".join(h.name.encode() + b"\0" + h.read_bytes() for h in headers)
-    key = _digest(tools.tag().encode() + texts + torch.__version__.encode())
+    key = _digest(f"{tools.tag()}|{torch.__version__}".encode())
     folder = cache_root() / f"runtime-pch-{key[:16]}"
     pch = folder / f"{RUNTIME_HEADER}.gch"
     stamp = folder / "ok"
     try:
         folder.mkdir(parents=True, exist_ok=True)
         with _exclusive(folder):
-            if stamp.is_file() and stamp.read_text().split() == [key, _digest(pch.read_bytes())]:
+            if (stamp.is_file() and pch.is_file()
+                    and stamp.read_text().split() == [key, str(pch.stat().st_size)]):
                 return folder
             stamp.unlink(missing_ok=True)
             for h in headers:
@@ -191,7 +191,7 @@ def _precompiled_runtime(tools: Toolchain) -> Path | None:
                   str(folder / RUNTIME_HEADER),
                   "-o", str(partial)], folder / "build.log", "the runtime's precompiled header")
             partial.replace(pch)
-            stamp.write_text(f"{key} {_digest(pch.read_bytes())}\n")
+            stamp.write_text(f"{key} {pch.stat().st_size}\n")
             return folder
     except (BuildError, OSError) as e:
         print(f"codegen: building without a precompiled runtime ({e})", file=sys.stderr)

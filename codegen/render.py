@@ -106,11 +106,23 @@ def _renderer_digest() -> str:
     program without changing the renderer)."""
     package = Path(__file__).resolve().parent
     modules = [p for p in sorted(package.glob("*.py")) if p.name not in _NOT_SHAPING_CPP]
-    files = [*sorted(template_dir().glob("*.j2")), *sorted(include_dir().rglob("*.h")),
-             *modules]
+    return _files_digest([*sorted(template_dir().glob("*.j2")), *modules],
+                         runtime_headers_digest())
+
+
+@functools.cache
+def runtime_headers_digest() -> str:
+    """A hash of the runtime headers (``include_dir()``): part of the op name, and the
+    version of what the programs in a process share (``CODEGEN_RT_ABI``, build.py)."""
+    return _files_digest(sorted(include_dir().rglob("*.h")))
+
+
+def _files_digest(files: list[Path], *extra: str) -> str:
     h = hashlib.sha256()
     for f in files:
         h.update(f.name.encode() + b"\0" + f.read_bytes() + b"\0")
+    for e in extra:
+        h.update(e.encode() + b"\0")
     return h.hexdigest()
 
 
