@@ -43,17 +43,25 @@ def stream_matmul_n(m: int = 5, k: int = 7, n: int = 6, slices: int = 3) -> Fusi
     return fusion
 
 
+def _split_matmul(name: str, dtype: torch.dtype, axis: int, slices: int,
+                  x_device: str = "cuda", w_device: str = "cuda",
+                  out_device: str = "cuda") -> Fusion:
+    """x [m, k] @ w [k, n] (named extents), output axis ``axis`` (0 rows, 1 columns) in
+    ``slices`` stream slices; each tensor on ``device`` "cuda" or "cpu" (host memory)."""
+    with Fusion(name) as fusion:
+        x = ir.input(["m", "k"], dtype, device=x_device)
+        w = ir.input(["k", "n"], dtype, device=w_device)
+        out = ir.matmul(x, w)
+        ir.output(out, device=out_device)
+    out.outer_split(axis, slices)
+    out.axis(axis).parallelize(Stream)
+    return fusion
+
+
 def matmul_rows(dtype: torch.dtype = torch.float32, slices: int = 4,
                 name: str = "matmul_rows") -> Fusion:
     """[m, k] @ [k, n] with rows of the output in ``slices`` stream slices."""
-    with Fusion(name) as fusion:
-        inp = ir.input(["m", "k"], dtype)
-        w = ir.input(["k", "n"], dtype)
-        out = ir.matmul(inp, w)
-        ir.output(out)
-    out.outer_split(0, slices)
-    out.axis(0).parallelize(Stream)
-    return fusion
+    return _split_matmul(name, dtype, 0, slices)
 
 
 def matmul_rows_bf16() -> Fusion:
@@ -119,28 +127,14 @@ def stream_weights(dtype: torch.dtype = torch.bfloat16, slices: int = 8,
                    name: str = "stream_weights") -> Fusion:
     """x [m, k] on the GPU @ w [k, n] in host memory: w streamed in by column slices
     (one staging slot per worker stream), out [m, n] on the GPU."""
-    with Fusion(name) as fusion:
-        x = ir.input(["m", "k"], dtype)
-        w = ir.input(["k", "n"], dtype, device="cpu")
-        out = ir.matmul(x, w)
-        ir.output(out)
-    out.outer_split(1, slices)
-    out.axis(1).parallelize(Stream)
-    return fusion
+    return _split_matmul(name, dtype, 1, slices, w_device="cpu")
 
 
 def offload_activations(dtype: torch.dtype = torch.bfloat16, slices: int = 8,
                         name: str = "offload_activations") -> Fusion:
     """x [m, k] in host memory @ w [k, n] on the GPU: x streamed in and out [m, n]
     streamed back to (pinned) host memory, both by row slices."""
-    with Fusion(name) as fusion:
-        x = ir.input(["m", "k"], dtype, device="cpu")
-        w = ir.input(["k", "n"], dtype)
-        out = ir.matmul(x, w)
-        ir.output(out, device="cpu")
-    out.outer_split(0, slices)
-    out.axis(0).parallelize(Stream)
-    return fusion
+    return _split_matmul(name, dtype, 0, slices, x_device="cpu", out_device="cpu")
 
 
 def _check_tp_args(what: str, slices: int, world_size: int) -> DeviceMesh:

@@ -239,11 +239,8 @@ def _input_checks(program: hir.HostProgram, names: _Names) -> dict[str, Any]:
             "same_device": same_device, "dims": dims, "layouts": layouts}
 
 
-def _stream(ref: hir.StreamRef, names: _Names) -> str:
-    if isinstance(ref, str):
-        return ref
-    index = f"{ref.index} % {ref.pool}" if ref.pool else ref.index
-    return f"streams.worker({index})"
+def _stream(ref: hir.StreamRef) -> str:
+    return ref if isinstance(ref, str) else f"streams.worker({ref.position_str()})"
 
 
 def _devices(program: hir.HostProgram) -> dict[str, str]:
@@ -337,7 +334,7 @@ class _Statements:
                 "copy_kind": _COPY_KINDS[route], "range": self.range(n)}
 
     def StreamSynchronize(self, n: hir.StreamSynchronize) -> dict[str, Any]:
-        return {"stream": _stream(n.stream, self.names), "range": self.range(n)}
+        return {"stream": _stream(n.stream), "range": self.range(n)}
 
     def Deallocate(self, n: hir.Deallocate) -> dict[str, Any]:
         return {"tensor": self.names(n.tensor)}
@@ -346,10 +343,10 @@ class _Statements:
         return {"out": n.out}
 
     def SetCurrentStream(self, n: hir.SetCurrentStream) -> dict[str, Any]:
-        return {"stream": _stream(n.stream, self.names)}
+        return {"stream": _stream(n.stream)}
 
     def Synchronize(self, n: hir.Synchronize) -> dict[str, Any]:
-        return {"stream": _stream(n.stream, self.names)}
+        return {"stream": _stream(n.stream)}
 
     def ForLoop(self, n: hir.ForLoop) -> dict[str, Any]:
         return {"index": n.index, "start": self.names.expr(n.start),
