@@ -19,25 +19,33 @@ from codegen.examples import allgather_matmul, matmul_reduce_scatter
 pytestmark = pytest.mark.gpu
 
 
-def _worker(rank, store_path):
+def _init_one_nccl_rank(store_path):
     os.environ["NCCL_NVLS_ENABLE"] = "0"
     device = torch.device("cuda", 0)
     torch.cuda.set_device(device)
     dist.init_process_group("nccl", store=dist.FileStore(store_path, 1), rank=0, world_size=1,
                             device_id=device, timeout=datetime.timedelta(seconds=120))
+
+
+def _cases():
+    """(make, dtype, slices, x, w, x @ w) for both examples, fp32 and bf16, S = 1, 2, 4."""
+    for dtype in (torch.float32, torch.bfloat16):
+        x = ints(64, 32, dtype=dtype, device="cuda", lo=-2, hi=3)
+        w = ints(32, 48, dtype=dtype, device="cuda", lo=-2, hi=3)
+        for slices in (1, 2, 4):
+            for make in (allgather_matmul, matmul_reduce_scatter):
+                yield make, dtype, slices, x, w, x @ w
+
+
+def _worker(rank, store_path):
+    _init_one_nccl_rank(store_path)
     try:
-        for dtype in (torch.float32, torch.bfloat16):
-            x = ints(64, 32, dtype=dtype, device="cuda", lo=-2, hi=3)
-            w = ints(32, 48, dtype=dtype, device="cuda", lo=-2, hi=3)
-            expect = x @ w
-            for slices in (1, 2, 4):
-                for make in (allgather_matmul, matmul_reduce_scatter):
-                    program = cg.lower(make(dtype, slices, 1))
-                    assert len(distributed.communications(program)) == 1
-                    (out,) = cg.evaluate(program, [x, w])
-                    torch.cuda.synchronize()
-                    assert out.is_cuda and torch.equal(out, expect), (make.__name__, dtype,
-                                                                      slices)
+        for make, dtype, slices, x, w, expect in _cases():
+            program = cg.lower(make(dtype, slices, 1))
+            assert len(distributed.communications(program)) == 1
+            (out,) = cg.evaluate(program, [x, w])
+            torch.cuda.synchronize()
+            assert out.is_cuda and torch.equal(out, expect), (make.__name__, dtype, slices)
         # Ordered against the caller's stream: a result consumed right away, no sync.
         program = cg.lower(allgather_matmul(torch.float32, 4, 1))
         x, w = ints(4096, 64, device="cuda"), ints(64, 256, device="cuda")
@@ -55,26 +63,16 @@ def test_one_nccl_rank_matches_torch():
 
 
 def _compiled_worker(rank, store_path, cache_dir):
-    os.environ["NCCL_NVLS_ENABLE"] = "0"
     os.environ["CODEGEN_CACHE_DIR"] = cache_dir
-    device = torch.device("cuda", 0)
-    torch.cuda.set_device(device)
-    dist.init_process_group("nccl", store=dist.FileStore(store_path, 1), rank=0, world_size=1,
-                            device_id=device, timeout=datetime.timedelta(seconds=120))
+    _init_one_nccl_rank(store_path)
     try:
-        for dtype in (torch.float32, torch.bfloat16):
-            x = ints(64, 32, dtype=dtype, device="cuda", lo=-2, hi=3)
-            w = ints(32, 48, dtype=dtype, device="cuda", lo=-2, hi=3)
-            expect = x @ w
-            for slices in (1, 2, 4):
-                for make in (allgather_matmul, matmul_reduce_scatter):
-                    op = cg.compile(make(dtype, slices, 1, name=f"{make.__name__}_{slices}"))
-                    out = op(x, w)  # the default group
-                    assert torch.equal(out, expect), (make.__name__, dtype, slices)
-                    out = op(x, w, group=dist.group.WORLD)
-                    assert torch.equal(out, expect), (make.__name__, dtype, slices)
-                    # torch.ops directly: the default group's name is "0"
-                    assert torch.equal(op.op(x, w), expect)
+        for make, dtype, slices, x, w, expect in _cases():
+            op = cg.compile(make(dtype, slices, 1, name=f"{make.__name__}_{slices}"))
+            assert torch.equal(op(x, w), expect), (make.__name__, dtype, slices)  # default
+            out = op(x, w, group=dist.group.WORLD)
+            assert torch.equal(out, expect), (make.__name__, dtype, slices)
+            # torch.ops directly: the default group's name is "0"
+            assert torch.equal(op.op(x, w), expect)
         op = cg.compile(allgather_matmul(torch.float32, 4, 1))
         x, w = ints(4096, 64, device="cuda"), ints(64, 256, device="cuda")
         assert torch.equal(op(x, w).sum(dim=1), (x @ w).sum(dim=1))  # no sync in between
