@@ -7,7 +7,9 @@
 Cases: bf16 matmul at the shapes below, fp16 and fp32 (TF32) matmul at 8192³, and
 linear+bias (x @ w.T + bias) bf16 at 8192³; output rows in S = 1, 2, 4, 8 stream slices.
 Variants of a case: "gemm" (one torch.matmul; F.linear for linear+bias) and per S "loop"
-(the Python stream loop, python_loop.py), "op" (cg.compile of the program) and "graph"
+(the Python stream loop, python_loop.py), "op" (cg.compile of the program: cached
+cuBLASLt plans, the default), "gemmex" (the same program compiled with
+gemm_library="cublas": one cublasGemmEx per slice, a bias by a second GEMM) and "graph"
 (torch.cuda.CUDAGraph capturing one op call with static inputs and output, replayed).
 
 Method. The H200 power-caps within about a second of sustained GEMMs and then drifts by a
@@ -89,6 +91,8 @@ ROW_FIELDS = (
     "op_loop_ratio", "op_loop_ratio_iqr", "op_loop_ratio_range",
     "op_rel_err", "graph_rel_err", "loop_rel_err", "rounds", "reps",
     "op_host_us_iqr", "gemm_host_us_iqr", "host_samples", "op_host_us_per_extra_slice",
+    "gemmex_ms", "gemmex_host_us", "gemmex_ratio", "gemmex_ratio_iqr", "gemmex_ratio_range",
+    "op_gemmex_ratio", "op_gemmex_ratio_iqr", "op_gemmex_ratio_range", "gemmex_rel_err",
 )
 HOST_US_METHOD = ("wall time of 10 back-to-back Python calls until the last returns, the GPU "
                   "kept busy by a sleep kernel queued ahead (launches never wait); one "
@@ -137,7 +141,7 @@ QUICK_SLICES = (1, 4)
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-    rounds: int = 100
+    rounds: int = 70
     block_ms: float = 15.0
     min_reps: int = 3
     max_reps: int = 200
@@ -217,15 +221,16 @@ def make_fusion(kind: str, dtype: str, slices: int) -> cg.Fusion:
     return linear_rows(DTYPES[dtype], slices, name)
 
 
-Spec = tuple[str, str, int]  # kind, dtype, slices
+Spec = tuple[str, str, int, str]  # kind, dtype, slices, gemm_library
+LIBRARIES = {"op": "cublaslt", "gemmex": "cublas"}  # variant -> gemm_library
 
 _PREBUILD = """
 import json, sys
 sys.path[:0] = [{repo!r}, {bench!r}]
 import codegen as cg
 import bench_matmul as bm
-for kind, dtype, slices in json.loads(sys.argv[1]):
-    cg.compile(bm.make_fusion(kind, dtype, slices))
+for kind, dtype, slices, library in json.loads(sys.argv[1]):
+    cg.compile(bm.make_fusion(kind, dtype, slices), gemm_library=library)
 """
 
 
@@ -282,8 +287,8 @@ def summarize(case: Case, slices: int, times: dict[str, list[float]],
     med = statistics.median
     host = {v: med(samples) for v, samples in host_samples.items()}
     op_host, gemm_host = (spread(host_samples[v]) for v in (f"op/s{slices}", "gemm"))
-    g, lp, op, gr = (times[v] for v in ("gemm", f"loop/s{slices}", f"op/s{slices}",
-                                         f"graph/s{slices}"))
+    g, lp, op, gr, gx = (times[v] for v in ("gemm", f"loop/s{slices}", f"op/s{slices}",
+                                             f"graph/s{slices}", f"gemmex/s{slices}"))
     row: dict[str, Any] = {
         "shape": list(case.shape), "dtype": case.dtype, "slices": slices,
         "gemm_ms": med(g), "loop_ms": med(lp), "op_ms": med(op),
@@ -305,9 +310,13 @@ def summarize(case: Case, slices: int, times: dict[str, list[float]],
         "op_host_us_per_extra_slice": (
             (host[f"op/s{slices}"] - host["op/s1"]) / (slices - 1)
             if slices > 1 and "op/s1" in host else None),
+        "gemmex_ms": med(gx), "gemmex_host_us": host[f"gemmex/s{slices}"],
+        **ratio_fields("gemmex_ratio", gx, g),
+        **ratio_fields("op_gemmex_ratio", op, gx),
+        "gemmex_rel_err": errors[f"gemmex/s{slices}"],
         "rounds": len(g),
-        "reps": {v.split("/")[0]: reps[v] for v in ("gemm", f"loop/s{slices}",
-                                                    f"op/s{slices}", f"graph/s{slices}")},
+        "reps": {v.split("/")[0]: reps[v] for v in ("gemm", f"loop/s{slices}", f"op/s{slices}",
+                                                    f"graph/s{slices}", f"gemmex/s{slices}")},
     }
     missing = [f for f in ROW_FIELDS if f not in row]
     assert not missing, missing
@@ -324,14 +333,16 @@ def run_case(case: Case, slices: Sequence[int], ops: dict[Spec, cg.CompiledOp],
     errors: dict[str, float] = {}
     keep: list[Any] = []  # graphs and their static outputs live until the case ends
     for s in slices:
-        loop, op = python_loop(case, s), ops[(case.kind, case.dtype, s)]
+        loop = python_loop(case, s)
         variants[f"loop/s{s}"] = lambda loop=loop: loop(*inputs)
-        variants[f"op/s{s}"] = lambda op=op: op(*inputs)
+        for v, library in LIBRARIES.items():
+            op = ops[(case.kind, case.dtype, s, library)]
+            variants[f"{v}/s{s}"] = lambda op=op: op(*inputs)
+            errors[f"{v}/s{s}"] = rel_err(variants[f"{v}/s{s}"](), ref)
         graph, static_out = gpu_timing.capture_graph(variants[f"op/s{s}"])
         keep.append((graph, static_out))
         variants[f"graph/s{s}"] = graph.replay
         errors[f"loop/s{s}"] = rel_err(variants[f"loop/s{s}"](), ref)
-        errors[f"op/s{s}"] = rel_err(variants[f"op/s{s}"](), ref)
         static_out.zero_()
         graph.replay()
         errors[f"graph/s{s}"] = rel_err(static_out, ref)
@@ -377,8 +388,8 @@ def table(rows: Sequence[dict[str, Any]]) -> str:
     ratio_w = len(_r({"x": 1.0, "x_iqr": [1.0, 1.0]}, "x"))
     head = (f"{'case':>28} {'S':>2} {'GEMM ms':>8} {'loop ms':>8} {'op ms':>8} "
             f"{'graph ms':>8} {'op TF/s':>7} {'loop/GEMM':>{ratio_w}} {'op/GEMM':>{ratio_w}} "
-            f"{'graph/GEMM':>{ratio_w}} {'op/loop':>{ratio_w}} "
-            f"{'host us: GEMM':>13} {'loop':>6} {'op':>6} {'graph':>6}")
+            f"{'graph/GEMM':>{ratio_w}} {'op/loop':>{ratio_w}} {'op/gemmex':>{ratio_w}} "
+            f"{'host us: GEMM':>13} {'loop':>6} {'op':>6} {'gemmex':>6} {'graph':>6}")
     lines = [head, "-" * len(head)]
     for r in rows:
         label = f"{r['kind']} {r['dtype']} {'x'.join(map(str, r['shape']))}"
@@ -386,10 +397,12 @@ def table(rows: Sequence[dict[str, Any]]) -> str:
             f"{label:>28} {r['slices']:>2} {r['gemm_ms']:8.3f} {r['loop_ms']:8.3f} "
             f"{r['op_ms']:8.3f} {r['graph_ms']:8.3f} {r['op_tflops']:7.1f} "
             f"{_r(r, 'loop_ratio')} {_r(r, 'op_ratio')} {_r(r, 'graph_ratio')} "
-            f"{_r(r, 'op_loop_ratio')} {r['gemm_host_us']:13.1f} {r['loop_host_us']:6.1f} "
-            f"{r['op_host_us']:6.1f} {r['graph_host_us']:6.1f}")
-    lines.append("GEMM = one torch.matmul (F.linear for linear+bias); ratios: median "
-                 "[q1,q3] of per-round ratios; times: median over rounds")
+            f"{_r(r, 'op_loop_ratio')} {_r(r, 'op_gemmex_ratio')} {r['gemm_host_us']:13.1f} "
+            f"{r['loop_host_us']:6.1f} {r['op_host_us']:6.1f} {r['gemmex_host_us']:6.1f} "
+            f"{r['graph_host_us']:6.1f}")
+    lines.append("GEMM = one torch.matmul (F.linear for linear+bias); op = cuBLASLt plans, "
+                 "gemmex = the op built with gemm_library='cublas'; ratios: median [q1,q3] "
+                 "of per-round ratios; times: median over rounds")
     return "\n".join(lines)
 
 
@@ -437,14 +450,14 @@ def estimate_s(cases: Sequence[Case], slices: Sequence[int], cfg: Config) -> flo
     """A rough GPU-side duration of the timed part (builds and start-up not included):
     per case the warm-up, host timing (about 0.3 s per variant) and the rounds (about
     1.3 blocks per variant and round, lead-in calls and synchronization included)."""
-    variants = 1 + 3 * len(slices)
+    variants = 1 + 4 * len(slices)
     per_case = cfg.warmup_s + 0.3 * variants + cfg.rounds * variants * cfg.block_ms * 1.3e-3
     return len(cases) * per_case
 
 
 def plan_text(cases: Sequence[Case], slices: Sequence[int], cfg: Config) -> str:
-    lines = [f"{len(cases)} cases x S in {list(slices)}: {1 + 3 * len(slices)} variants per "
-             f"round (gemm, and loop/op/graph per S)",
+    lines = [f"{len(cases)} cases x S in {list(slices)}: {1 + 4 * len(slices)} variants per "
+             f"round (gemm, and loop/op/gemmex/graph per S)",
              f"rounds {cfg.rounds}, block ~{cfg.block_ms} ms (reps {cfg.min_reps}.."
              f"{cfg.max_reps}), warm-up {cfg.warmup_s} s per case",
              f"timed part about {estimate_s(cases, slices, cfg):.0f} s, plus builds "
@@ -516,7 +529,8 @@ def main(argv: Sequence[str] | None = None) -> int:
               file=sys.stderr)
         return 1
     start = time.perf_counter()
-    specs: list[Spec] = sorted({(c.kind, c.dtype, s) for c in cases for s in slices})
+    specs: list[Spec] = sorted({(c.kind, c.dtype, s, library) for c in cases for s in slices
+                                for library in LIBRARIES.values()})
     with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
         building = pool.submit(prebuild, specs, max(1, min(args.jobs, len(specs))))
         floor: dict[str, Any] = {}
@@ -527,7 +541,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 floor = {"launch_floor_us": None, "launch_floor_skipped": str(e)}
         for msg in building.result():
             print(msg, file=sys.stderr)
-    ops = {spec: cg.compile(make_fusion(*spec)) for spec in specs}
+    ops = {spec: cg.compile(make_fusion(*spec[:3]), gemm_library=spec[3]) for spec in specs}
     build_s = time.perf_counter() - start
     print(f"built and loaded {len(ops)} programs and the probe in {build_s:.1f} s", flush=True)
     rows: list[dict[str, Any]] = []

@@ -305,6 +305,8 @@ class HostProgram:
     constraints: list[Constraint] = dataclasses.field(default_factory=list)
     pool_size: int = 4
     gemm_sm_count: int = 0  # SMs each GEMM may use (cuBLASLt's SM_COUNT_TARGET); 0 = all
+    # "cublaslt": cached cuBLASLt plans on the worker streams; "cublas": cublasGemmEx.
+    gemm_library: str = "cublaslt"
 
     def nodes(self) -> Iterator[Node]:
         """Every node in program order, loop bodies included (pre-order)."""
@@ -324,8 +326,11 @@ class HostProgram:
 
     def signature(self) -> str:
         args = ", ".join(f"{t.name}: {t.type_str()}{t.placement_str()}" for t in self.inputs)
-        budget = f" [gemm_sm_count={self.gemm_sm_count}]" if self.gemm_sm_count else ""
-        return f"HostProgram {self.name}({args}) -> ({', '.join(self.outputs)}){budget}:"
+        options = [f"gemm_sm_count={self.gemm_sm_count}"] if self.gemm_sm_count else []
+        if self.gemm_library != "cublaslt":
+            options.append(f"gemm_library={self.gemm_library}")
+        shown = f" [{', '.join(options)}]" if options else ""
+        return f"HostProgram {self.name}({args}) -> ({', '.join(self.outputs)}){shown}:"
 
     def __str__(self) -> str:
         lines = [self.signature()]

@@ -23,11 +23,16 @@ def _dump(title: str, text: str) -> None:
     print(f"=== {title} ===\n{text}", file=sys.stderr)
 
 
-def lower(fusion: Fusion, *, pool_size: int = 4, gemm_sm_count: int = 0) -> hir.HostProgram:
+GEMM_LIBRARIES = ("cublaslt", "cublas")
+
+
+def lower(fusion: Fusion, *, pool_size: int = 4, gemm_sm_count: int = 0,
+          gemm_library: str = "cublaslt") -> hir.HostProgram:
     """Runs the fusion passes on a copy of ``fusion``, builds the host program and runs the
     host-IR passes. ``pool_size`` bounds the number of worker streams; ``gemm_sm_count``
     (0 = all) caps the SMs each GEMM may use, leaving the rest to copies and collectives
-    that overlap it."""
+    that overlap it; ``gemm_library`` picks cached cuBLASLt plans ("cublaslt", the
+    default) or one cublasGemmEx per GEMM ("cublas")."""
     if not isinstance(fusion, Fusion):
         raise ScheduleError(f"lower expects a cg.Fusion, got {type(fusion).__name__}")
     if isinstance(pool_size, bool) or not isinstance(pool_size, int) or pool_size < 1:
@@ -35,6 +40,12 @@ def lower(fusion: Fusion, *, pool_size: int = 4, gemm_sm_count: int = 0) -> hir.
     if isinstance(gemm_sm_count, bool) or not isinstance(gemm_sm_count, int) or gemm_sm_count < 0:
         raise ScheduleError(f"lower: gemm_sm_count must be an int >= 0 (0 = all SMs), got "
                             f"{gemm_sm_count!r}")
+    if gemm_library not in GEMM_LIBRARIES:
+        choices = ", ".join(map(repr, GEMM_LIBRARIES))
+        raise ScheduleError(f"lower: gemm_library must be one of {choices}, got {gemm_library!r}")
+    if gemm_sm_count and gemm_library != "cublaslt":
+        raise ScheduleError(f"lower: gemm_sm_count={gemm_sm_count} needs gemm_library='cublaslt' "
+                            f"(cublasGemmEx has no SM budget), got gemm_library={gemm_library!r}")
     if not fusion.outputs:
         raise ScheduleError(f"Fusion {fusion.name} has no outputs; call cg.output(t)")
     dump = _dump_stages()
@@ -51,7 +62,7 @@ def lower(fusion: Fusion, *, pool_size: int = 4, gemm_sm_count: int = 0) -> hir.
         segments = passes.segment(work)
         plan = passes.plan_allocations(work, segments)
         program = hir.verify(passes.build_host_program(work, segments, plan, pool_size))
-    program = program.replace(gemm_sm_count=gemm_sm_count)
+    program = program.replace(gemm_sm_count=gemm_sm_count, gemm_library=gemm_library)
     if "hostir" in dump:
         _dump("hostir after build_host_program", str(program))
     for host_pass in hir.HOSTIR_PASSES:

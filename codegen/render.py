@@ -432,6 +432,7 @@ def prepare(program: hir.HostProgram) -> dict[str, Any]:
         else f"std::make_tuple({', '.join(o + '.tensor' for o in outs)})",
         "dtype": DTYPES[dtype],
         "sm_count": program.gemm_sm_count,
+        "cublaslt": "true" if program.gemm_library == "cublaslt" else "false",
         "body": statements.out,
         **_input_checks(program, names),
     }

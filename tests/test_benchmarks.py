@@ -134,6 +134,7 @@ def fake_rounds(slices, rounds=5):
         times[f"loop/s{s}"] = [1.2 * g for g in gemm]
         times[f"op/s{s}"] = [1.1 * g for g in gemm]
         times[f"graph/s{s}"] = [1.05 * g for g in gemm]
+        times[f"gemmex/s{s}"] = [1.25 * g for g in gemm]
     return times
 
 
@@ -154,6 +155,9 @@ def test_summarize_row_fields_and_values():
     assert row["loop_ratio"] == pytest.approx(1.2)
     assert row["graph_ratio"] == pytest.approx(1.05)
     assert row["op_loop_ratio"] == pytest.approx(1.1 / 1.2)
+    assert row["gemmex_ratio"] == pytest.approx(1.25)
+    assert row["op_gemmex_ratio"] == pytest.approx(1.1 / 1.25)
+    assert row["gemmex_host_us"] == host["gemmex/s4"]
     assert row["op_ratio_range"] == pytest.approx([1.1, 1.1])
     assert row["gemm_ms"] == pytest.approx(1.04)
     assert row["op_host_us"] == host["op/s4"] and row["gemm_host_us"] == host["gemm"]
@@ -165,7 +169,7 @@ def test_summarize_row_fields_and_values():
     assert bm.summarize(case, 1, times, host_samples, errors,
                         reps)["op_host_us_per_extra_slice"] is None
     assert row["rounds"] == 5
-    assert row["reps"] == {"gemm": 7, "loop": 7, "op": 7, "graph": 7}
+    assert row["reps"] == {"gemm": 7, "loop": 7, "op": 7, "graph": 7, "gemmex": 7}
     assert row["op_tflops"] == pytest.approx(2 * 64 * 32 * 16 / (1.1 * 1.04) / 1e9)
     json.dumps(row)  # plain data
     text = bm.table([row])
@@ -209,7 +213,7 @@ def test_bench_matmul_help_and_dry_run_without_gpu():
     assert "--quick" in done.stdout and "--shapes" in done.stdout and "--rounds" in done.stdout
     done = run_script("benchmarks/bench_matmul.py", "--dry-run")
     assert done.returncode == 0, done.stderr
-    assert "9 cases" in done.stdout and "13 variants per round" in done.stdout
+    assert "9 cases" in done.stdout and "17 variants per round" in done.stdout
     assert "linear+bias bf16 8192x8192x8192" in done.stdout
     done = run_script("benchmarks/bench_matmul.py", "--quick", "--shapes", "linear",
                       "--slices", "2", "--rounds", "3", "--dry-run")

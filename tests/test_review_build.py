@@ -4,6 +4,7 @@ C++ depends on (item 2), a name rebuilt after a failed build (4), C++-hostile na
 
 import fcntl
 import importlib
+import re
 
 import pytest
 import torch
@@ -36,6 +37,28 @@ def test_gemm_sm_count_is_part_of_the_program():
     assert op_name(plain) != op_name(capped)
     assert "[gemm_sm_count=100]" in str(capped)
     assert "/*sm_count=*/100" in cg.render(capped)
+
+
+def test_gemm_library_is_part_of_the_program():
+    plain = cg.lower(matmul_rows(slices=2))
+    gemmex = cg.lower(matmul_rows(slices=2), gemm_library="cublas")
+    assert op_name(plain) != op_name(gemmex)
+    assert "gemm_library" not in str(plain) and "[gemm_library=cublas]" in str(gemmex)
+    assert "/*cublaslt=*/true" in cg.render(plain)
+    assert "/*cublaslt=*/false" in cg.render(gemmex)
+    both = cg.lower(matmul_rows(slices=2), gemm_sm_count=8)
+    assert "[gemm_sm_count=8]" in str(both)
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    ({"gemm_library": "cutlass"},
+     "gemm_library must be one of 'cublaslt', 'cublas', got 'cutlass'"),
+    ({"gemm_library": "cublas", "gemm_sm_count": 8},
+     "gemm_sm_count=8 needs gemm_library='cublaslt'"),
+])
+def test_bad_gemm_options_are_schedule_errors(args, message):
+    with pytest.raises(cg.ScheduleError, match=re.escape(message)):
+        cg.lower(matmul_rows(slices=2), **args)
 
 
 def test_a_name_collision_in_one_process_is_an_error_not_a_stale_op(cache_dir):

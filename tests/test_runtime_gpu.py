@@ -187,3 +187,33 @@ def test_reduced_precision_reduction_flag_reaches_cublas(cache_dir, dtype):
     torch_err = ((torch_out.double() - ref).abs().max() / ref.abs().max()).item()
     # Rounding the final result to 16 bits is the only large error left.
     assert err <= max(2 * torch_err, 8e-3), (err, torch_err)
+
+
+# (program, input shapes at scale t): ragged slices at every t (4 slices of 3t + 1 rows).
+LIBRARY_CASES = {
+    "matmul_rows": (lambda: ex.matmul_rows(torch.float32, 4),
+                    lambda t: [(3 * t + 1, 2 * t + 3), (2 * t + 3, t + 5)]),
+    "linear_bias": (ex.linear_bias,
+                    lambda t: [(3 * t + 2, 2 * t + 3), (4 * t + 1, 2 * t + 3), (4 * t + 1,)]),
+    "batched": (ex.batched, lambda t: [(4 * t + 3, t + 2, 5), (4 * t + 3, 5, t + 4)]),
+}
+
+
+@pytest.mark.parametrize("case", LIBRARY_CASES)
+def test_cublaslt_plans_and_cublas_gemmex_agree_with_torch(case, cache_dir):
+    """Both GEMM libraries, exact on integer-valued fp32 inputs (no TF32), at two shapes
+    (so a cached plan is not reused for a shape it was not made for), then at the first
+    shape again (the cached plan)."""
+    make, shapes = LIBRARY_CASES[case]
+    ops = {lib: cg.compile(make(), gemm_library=lib) for lib in ("cublaslt", "cublas")}
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        for t in (8, 33, 8):
+            inputs = [ints(*shape).cuda() for shape in shapes(t)]
+            want = (torch.nn.functional.linear(*inputs) if case == "linear_bias"
+                    else inputs[0] @ inputs[1])
+            for lib, op in ops.items():
+                assert torch.equal(op(*inputs), want), (case, lib, t)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32

@@ -217,25 +217,16 @@ inline void gemm_cublas(const GemmArgs& g, const View& c, const View& a, const V
 
 // ---- the program's GEMMs ------------------------------------------------------------
 
-// cuBLASLt plans are opt-in until they have run on a GPU: CODEGEN_CUBLASLT=1 turns them
-// on (read once per process); by default every GEMM goes through cublasGemmEx.
-inline bool cublaslt_enabled() {
-  static const bool enabled = [] {
-    const char* v = std::getenv("CODEGEN_CUBLASLT");
-    return v != nullptr && v[0] == '1';
-  }();
-  return enabled;
-}
-
-// One call's GEMMs: the types and flags are read once per call. With CODEGEN_CUBLASLT=1,
-// each GEMM on a worker stream runs as one cublasLtMatmul from a cached plan
-// (gemm_plan.h) with that stream's workspace, a bias fused as its epilogue; otherwise (by
-// default, the caller's stream, graph capture of a shape never planned, a bias cuBLASLt
-// cannot fuse, an empty contraction) through cublasGemmEx, a bias by a rank-1 GEMM.
+// One call's GEMMs: the types and flags are read once per call. With cuBLASLt (the
+// program's gemm_library, the default), each GEMM on a worker stream runs as one
+// cublasLtMatmul from a cached plan (gemm_plan.h) with that stream's workspace, a bias
+// fused as its epilogue; otherwise (gemm_library="cublas", the caller's stream, graph
+// capture of a shape never planned, a bias cuBLASLt cannot fuse, an empty contraction)
+// through cublasGemmEx, a bias by a rank-1 GEMM.
 class Gemms {
  public:
-  Gemms(DType dtype, int32_t device, int sm_count, const char* op)
-      : dtype_(dtype), device_(device), sm_count_(sm_count), op_(op),
+  Gemms(DType dtype, int32_t device, bool cublaslt, int sm_count, const char* op)
+      : dtype_(dtype), device_(device), cublaslt_(cublaslt), sm_count_(sm_count), op_(op),
         type_(gemm_type(dtype, math_mode(op))) {}
 
   void matmul(const View& out, const View& a, const View& b, const Stream& stream) {
@@ -276,7 +267,7 @@ class Gemms {
     GemmArgs g;
     if (K > 0) {
       g = gemm_args(c, a, b, op);
-      if (stream.workspace != nullptr && cublaslt_enabled() && fusable(bias) &&
+      if (cublaslt_ && stream.workspace != nullptr && fusable(bias) &&
           gemm_lt(g, c, a, b, bias, stream)) {
         return;
       }
@@ -325,6 +316,7 @@ class Gemms {
 
   DType dtype_;
   int32_t device_;
+  bool cublaslt_;
   int sm_count_;
   const char* op_;
   GemmType type_;
