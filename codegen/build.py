@@ -159,9 +159,14 @@ def _run(command: list[str], log_path: Path, what: str) -> None:
 
 # The runtime's umbrella header: the first include of every program, precompiled once.
 RUNTIME_HEADER = "codegen/runtime.h"
+PCH_PREFIX = "runtime-pch-"
+# A precompiled runtime (~115 MB) that no build has used for this long is removed by the
+# next build (an upgrade of codegen or torch leaves the old one behind).
+PCH_UNUSED_S = 24 * 3600
 
 
-def _precompiled_runtime(tools: Toolchain) -> Path | None:
+@contextlib.contextmanager
+def _precompiled_runtime(tools: Toolchain) -> Iterator[Path | None]:
     """A folder holding a copy of the runtime headers and ``runtime.h.gch``, built once per
     toolchain and header text (the first program in a fresh cache pays ~6 s), under an
     exclusive lock and stamped like an op, so a killed build is rebuilt by the next
@@ -169,33 +174,76 @@ def _precompiled_runtime(tools: Toolchain) -> Path | None:
     match and silently reads the headers otherwise; None when it cannot be built (then
     programs build without it, just slower). The flags name the headers' hash
     (CODEGEN_RT_ABI); the .gch is renamed into place whole, so the stamp checks its size
-    rather than hashing 115 MB on every build."""
+    rather than hashing 115 MB on every build.
+
+    While the caller compiles, a shared lock on the folder's ``users.lock`` keeps
+    ``_prune_precompiled`` away from it; the stamp's mtime records the last use."""
     headers = sorted(include_dir().rglob("*.h"))
     key = _digest(f"{tools.tag()}|{torch.__version__}".encode())
-    folder = cache_root() / f"runtime-pch-{key[:16]}"
+    folder = cache_root() / f"{PCH_PREFIX}{key[:16]}"
     pch = folder / f"{RUNTIME_HEADER}.gch"
     stamp = folder / "ok"
-    try:
+    with contextlib.ExitStack() as users:
+        try:
+            _share(folder, users)
+            with _exclusive(folder):
+                if not (stamp.is_file() and pch.is_file()
+                        and stamp.read_text().split() == [key, str(pch.stat().st_size)]):
+                    stamp.unlink(missing_ok=True)
+                    for h in headers:
+                        target = folder / h.relative_to(include_dir())
+                        target.parent.mkdir(parents=True, exist_ok=True)
+                        target.write_bytes(h.read_bytes())
+                    partial = pch.with_suffix(".gch.partial")
+                    _run([*tools.cxx, *tools.cflags, f"-I{folder}", "-x", "c++-header",
+                          str(folder / RUNTIME_HEADER), "-o", str(partial)],
+                         folder / "build.log", "the runtime's precompiled header")
+                    partial.replace(pch)
+                    stamp.write_text(f"{key} {pch.stat().st_size}\n")
+                os.utime(stamp)
+        except (BuildError, OSError) as e:
+            print(f"codegen: building without a precompiled runtime ({e})", file=sys.stderr)
+            users.close()
+            folder = None
+        yield folder
+
+
+def _share(folder: Path, stack: contextlib.ExitStack) -> None:
+    """Holds a shared lock on ``folder/users.lock`` until ``stack`` closes, creating the
+    folder; retried if a pruner removed the folder while we waited for the lock."""
+    for _ in range(3):
         folder.mkdir(parents=True, exist_ok=True)
-        with _exclusive(folder):
-            if (stamp.is_file() and pch.is_file()
-                    and stamp.read_text().split() == [key, str(pch.stat().st_size)]):
-                return folder
-            stamp.unlink(missing_ok=True)
-            for h in headers:
-                target = folder / h.relative_to(include_dir())
-                target.parent.mkdir(parents=True, exist_ok=True)
-                target.write_bytes(h.read_bytes())
-            partial = pch.with_suffix(".gch.partial")
-            _run([*tools.cxx, *tools.cflags, f"-I{folder}", "-x", "c++-header",
-                  str(folder / RUNTIME_HEADER),
-                  "-o", str(partial)], folder / "build.log", "the runtime's precompiled header")
-            partial.replace(pch)
-            stamp.write_text(f"{key} {pch.stat().st_size}\n")
-            return folder
-    except (BuildError, OSError) as e:
-        print(f"codegen: building without a precompiled runtime ({e})", file=sys.stderr)
-        return None
+        lock = folder / "users.lock"
+        f = stack.enter_context(open(lock, "a"))
+        fcntl.flock(f, fcntl.LOCK_SH)
+        with contextlib.suppress(OSError):
+            if os.fstat(f.fileno()).st_ino == lock.stat().st_ino:
+                return
+        f.close()
+    raise OSError(f"{folder} keeps being removed while we wait for it")
+
+
+def _prune_precompiled(keep: Path | None) -> list[Path]:
+    """Removes the other precompiled runtimes of the cache that no build has used for
+    ``PCH_UNUSED_S`` and that nobody compiles against now (their ``users.lock`` can be
+    locked exclusively at once); returns them."""
+    removed = []
+    for folder in cache_root().glob(f"{PCH_PREFIX}*"):
+        if folder == keep or not folder.is_dir():
+            continue
+        used = folder / "ok" if (folder / "ok").exists() else folder
+        with contextlib.suppress(OSError):
+            if time.time() - used.stat().st_mtime < PCH_UNUSED_S:
+                continue
+            with open(folder / "users.lock", "a") as f:
+                try:
+                    fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    continue
+                with _exclusive(folder):  # not being built either
+                    shutil.rmtree(folder)
+                    removed.append(folder)
+    return removed
 
 
 # ---------------------------------------------------------------------------- cache
@@ -269,21 +317,22 @@ def _compile(entry: _Entry, source: str, key: str) -> float:
         stale.unlink(missing_ok=True)
     start = time.perf_counter()
     tools = toolchain()
-    pch = _precompiled_runtime(tools)
-    entry.source.write_text(source)
-    includes = [*([f"-I{pch}", "-Winvalid-pch"] if pch else []), f"-I{include_dir()}"]
-    partial = entry.library.with_suffix(".so.partial")
-    command = [*tools.cxx, *tools.cflags, *includes, str(entry.source), "-o", str(partial)]
-    try:
-        _run([*command, *tools.ldflags], entry.folder / "build.log", entry.name)
-    except BuildError:
-        if GOLD not in tools.ldflags:
-            raise
-        # gold is faster but cannot read some toolchains' libstdc++ linker scripts (seen
-        # with a GCC in /opt/gcc): link with the default linker from now on.
-        _gold_failed.set()
-        tools = toolchain()
-        _run([*command, *tools.ldflags], entry.folder / "build.log", entry.name)
+    with _precompiled_runtime(tools) as pch:
+        _prune_precompiled(keep=pch)
+        entry.source.write_text(source)
+        includes = [*([f"-I{pch}", "-Winvalid-pch"] if pch else []), f"-I{include_dir()}"]
+        partial = entry.library.with_suffix(".so.partial")
+        command = [*tools.cxx, *tools.cflags, *includes, str(entry.source), "-o", str(partial)]
+        try:
+            _run([*command, *tools.ldflags], entry.folder / "build.log", entry.name)
+        except BuildError:
+            if GOLD not in tools.ldflags:
+                raise
+            # gold is faster but cannot read some toolchains' libstdc++ linker scripts
+            # (seen with a GCC in /opt/gcc): link with the default linker from now on.
+            _gold_failed.set()
+            tools = toolchain()
+            _run([*command, *tools.ldflags], entry.folder / "build.log", entry.name)
     partial.replace(entry.library)
     entry.stamp.write_text(f"{key} {_digest(entry.library.read_bytes())}\n")
     return time.perf_counter() - start

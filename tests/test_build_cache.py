@@ -95,3 +95,36 @@ def test_a_linker_that_fails_falls_back_to_the_default_one(tmp_path, monkeypatch
         assert "-fuse-ld=no-such-linker" not in build.toolchain().ldflags
     finally:
         build._toolchain.cache_clear()
+
+
+def test_unused_precompiled_runtimes_are_removed_by_the_next_build(tmp_path, monkeypatch):
+    import fcntl
+    import importlib
+
+    import codegen as cg
+    from codegen.examples import matmul_rows
+
+    build = importlib.import_module("codegen.build")
+    monkeypatch.setenv("CODEGEN_CACHE_DIR", str(tmp_path))
+    day_ago = time.time() - 2 * build.PCH_UNUSED_S
+
+    def fake_pch(name: str, last_used: float) -> Path:
+        folder = tmp_path / f"{build.PCH_PREFIX}{name}"
+        (folder / "codegen").mkdir(parents=True)
+        (folder / "codegen" / "runtime.h.gch").write_bytes(b"x" * 1000)
+        (folder / "ok").write_text("key 1000\n")
+        os.utime(folder / "ok", (last_used, last_used))
+        return folder
+
+    stale, recent, in_use = (fake_pch("stale", day_ago), fake_pch("recent", time.time()),
+                             fake_pch("in_use", day_ago))
+    with open(in_use / "users.lock", "a") as user:  # a compiler reading it, elsewhere
+        fcntl.flock(user, fcntl.LOCK_SH)
+        # A program of its own: one loaded earlier in this process would not be built.
+        build.build(cg.lower(matmul_rows(slices=3, name="pch_prune_probe")))
+    assert not stale.exists()
+    assert recent.exists() and in_use.exists()
+    (current,) = [f for f in tmp_path.glob(f"{build.PCH_PREFIX}*")
+                  if f not in (recent, in_use)]
+    assert (current / "ok").is_file() and time.time() - (current / "ok").stat().st_mtime < 600
+    assert build._prune_precompiled(keep=current) == [in_use]  # once nobody uses it
