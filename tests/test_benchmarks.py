@@ -319,3 +319,19 @@ def test_overlap_dry_run_needs_no_gpu():
                           "--world-size", "4"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "allgather_matmul 4 [8192, 8192, 28672] 16" in out.stdout
+
+
+# ---------------------------------------------------------------------------- host_cost
+
+
+def test_host_cost_fit_and_its_message_without_gpu():
+    import doctest
+
+    import host_cost
+
+    assert doctest.testmod(host_cost).failed == 0
+    intercept, slope = host_cost.fit_line([1, 2, 4, 8], [12.0, 19.0, 33.0, 61.0])
+    assert intercept == pytest.approx(5.0) and slope == pytest.approx(7.0)
+    if not torch.cuda.is_available():
+        done = run_script("benchmarks/host_cost.py")
+        assert done.returncode == 1 and "needs a CUDA GPU" in done.stderr

@@ -1,0 +1,137 @@
+"""Where the op's host time goes (issue 9, item 4), on one GPU.
+
+    PYTHONPATH=. python3 benchmarks/host_cost.py [--out benchmarks/results] [--size 2048]
+
+Host microseconds per call, every sample taken with the GPU kept busy by a sleep kernel
+queued ahead (launches are only queued, never waited for; gpu_timing.host_sample), the
+variants interleaved sample by sample, medians over --samples:
+
+- ``torch.matmul``: one ATen GEMM, the reference host cost;
+- ``noop``: a stable-ABI op built like a program (runtime.h, TORCH_BOX) that returns its
+  first input: the torch.ops dispatcher and the stable ABI's boxing, nothing else;
+- for S = 1, 2, 4, 8 and both GEMM libraries, the program ``matmul_rows`` called as
+  ``CompiledOp`` (``op(a, b)``, the public path) and as its ``torch.ops`` overload
+  (``op.op.default(a, b)``; the difference is the Python wrapper);
+- a least-squares line through the overload's times over S: ``fixed_us`` (intercept, the
+  cost of one call with no slices) and ``per_slice_us`` (slope), to compare with
+  ``launch_floor_us`` (one cached cublasLtMatmul launch in a C++ loop, launch_floor.py).
+
+Writes host_cost.json to --out and prints a table; about 30 s on an H200.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+BENCH = REPO / "benchmarks"
+for _p in (str(REPO), str(BENCH)):
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
+
+import gpu_timing  # noqa: E402
+import launch_floor  # noqa: E402
+
+import codegen as cg  # noqa: E402
+from codegen import examples  # noqa: E402
+from codegen.build import build_library  # noqa: E402
+
+SLICES = (1, 2, 4, 8)
+LIBRARIES = ("cublaslt", "cublas")
+NOOP_SOURCE = """\
+#include "codegen/runtime.h"
+namespace {
+torch::stable::Tensor host_cost_noop(torch::stable::Tensor a, torch::stable::Tensor b) {
+  (void)b;
+  return a;
+}
+}  // namespace
+STABLE_TORCH_LIBRARY_FRAGMENT(codegen_bench, m) {
+  m.def("host_cost_noop(Tensor a, Tensor b) -> Tensor");
+}
+STABLE_TORCH_LIBRARY_IMPL(codegen_bench, CUDA, m) {
+  m.impl("host_cost_noop", TORCH_BOX(&host_cost_noop));
+}
+"""
+
+
+def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
+    """Least-squares (intercept, slope) of ys over xs.
+
+    >>> fit_line([1, 2, 4], [3, 5, 9])
+    (1.0, 2.0)
+    """
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    slope = (sum((x - mx) * (y - my) for x, y in zip(xs, ys))
+             / sum((x - mx) ** 2 for x in xs))
+    return my - slope * mx, slope
+
+
+def measure(variants: dict[str, Callable[[], Any]], samples: int) -> dict[str, float]:
+    """Median host µs per call of each variant, sampled in rotated order."""
+    got: dict[str, list[float]] = {v: [] for v in variants}
+    names = list(variants)
+    for r in range(samples):
+        for v in names[r % len(names):] + names[:r % len(names)]:
+            got[v].append(gpu_timing.host_sample(variants[v]))
+    return {v: statistics.median(s) for v, s in got.items()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=BENCH / "results")
+    parser.add_argument("--size", type=int, default=2048, help="m = n = k (bf16)")
+    parser.add_argument("--samples", type=int, default=25)
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("host_cost: needs a CUDA GPU", file=sys.stderr)
+        return 1
+    build_library("codegen_bench_host_cost_noop", NOOP_SOURCE)
+    noop = torch.ops.codegen_bench.host_cost_noop.default
+    a, b = (torch.randn(args.size, args.size, device="cuda", dtype=torch.bfloat16)
+            for _ in range(2))
+    variants: dict[str, Callable[[], Any]] = {
+        "torch.matmul": lambda: torch.matmul(a, b), "noop": lambda: noop(a, b)}
+    for lib in LIBRARIES:
+        for s in SLICES:
+            op = cg.compile(examples.matmul_rows(torch.bfloat16, s, f"host_cost_s{s}"),
+                            gemm_library=lib)
+            variants[f"{lib} S={s} op()"] = lambda op=op: op(a, b)
+            variants[f"{lib} S={s} overload"] = lambda op=op: op.op.default(a, b)
+    gpu_timing.warm_up(lambda: [fn() for fn in variants.values()], 1.0, batch=3)
+    us = measure(variants, args.samples)
+    floor = launch_floor.measure()["launch_floor_us"]
+    lines = [f"{v:>28} {t:8.1f}" for v, t in us.items()]
+    fits = {}
+    for lib in LIBRARIES:
+        fixed, per_slice = fit_line(list(SLICES), [us[f"{lib} S={s} overload"] for s in SLICES])
+        fits[lib] = {"fixed_us": fixed, "per_slice_us": per_slice,
+                     "per_slice_over_floor": per_slice / floor if floor else None,
+                     "python_wrapper_us": statistics.median(
+                         us[f"{lib} S={s} op()"] - us[f"{lib} S={s} overload"] for s in SLICES)}
+        lines.append(f"{lib}: fixed {fixed:.1f} us + {per_slice:.1f} us per slice "
+                     f"({per_slice / floor:.2f} x launch floor {floor:.1f} us); Python wrapper "
+                     f"{fits[lib]['python_wrapper_us']:.1f} us; dispatcher + boxing "
+                     f"(noop) {us['noop']:.1f} us")
+    text = "\n".join(lines)
+    print(text)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "host_cost.json").write_text(json.dumps({
+        "meta": {"date": datetime.date.today().isoformat(), "gpu": torch.cuda.get_device_name(),
+                 "torch": torch.__version__, "size": args.size, "samples": args.samples,
+                 "launch_floor_us": floor, "method": gpu_timing.host_sample.__doc__},
+        "host_us": us, "fits": fits}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
