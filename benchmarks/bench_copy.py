@@ -228,10 +228,10 @@ int main() {
 
 def nvtx_range_ns() -> float | None:
     """Host nanoseconds of one codegen NVTX range with no tool attached (best of 5)."""
-    from codegen.build import _cuda_home
+    from codegen.build import cuda_home
     from codegen.render import include_dir
 
-    home = _cuda_home()
+    home = cuda_home()
     if home is None:
         return None
     with tempfile.TemporaryDirectory() as tmp:

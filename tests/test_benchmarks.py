@@ -335,3 +335,10 @@ def test_host_cost_fit_and_its_message_without_gpu():
     if not torch.cuda.is_available():
         done = run_script("benchmarks/host_cost.py")
         assert done.returncode == 1 and "needs a CUDA GPU" in done.stderr
+
+
+def test_bench_copy_nvtx_cost_probe_builds_and_runs_without_gpu():
+    import bench_copy
+
+    ns = bench_copy.nvtx_range_ns()  # None only where no CUDA toolkit is found
+    assert ns is None or 0 < ns < 10_000
