@@ -16,6 +16,9 @@ variants interleaved sample by sample, medians over --samples:
   cost of one call with no slices) and ``per_slice_us`` (slope), to compare with
   ``launch_floor_us`` (one cached cublasLtMatmul launch in a C++ loop, launch_floor.py).
 
+Then, for the op at S = 4 (cuBLASLt), the CUDA runtime and driver calls it makes per call
+and their host µs, from torch.profiler (CUPTI): what a host-cost cut would remove.
+
 Writes host_cost.json to --out and prints a table; about 30 s on an H200.
 """
 
@@ -86,6 +89,25 @@ def measure(variants: dict[str, Callable[[], Any]], samples: int) -> dict[str, f
     return {v: statistics.median(s) for v, s in got.items()}
 
 
+def api_calls(fn: Callable[[], Any], calls: int = 20) -> list[dict[str, Any]]:
+    """CUDA API calls made by ``fn`` (runtime and driver, as CUPTI records them): per
+    name, calls per ``fn`` call and host µs per ``fn`` call, largest first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    rows = []
+    for e in prof.key_averages():
+        if e.key.startswith(("cuda", "cu")) and "Synchronize" not in e.key:
+            rows.append({"name": e.key, "per_call": e.count / calls,
+                         "us_per_call": e.cpu_time_total / calls})
+    return sorted(rows, key=lambda r: -r["us_per_call"])
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=BENCH / "results")
@@ -122,6 +144,10 @@ def main(argv: list[str] | None = None) -> int:
                      f"({per_slice / floor:.2f} x launch floor {floor:.1f} us); Python wrapper "
                      f"{fits[lib]['python_wrapper_us']:.1f} us; dispatcher + boxing "
                      f"(noop) {us['noop']:.1f} us")
+    traced = api_calls(variants["cublaslt S=4 overload"])
+    lines.append("CUDA API calls per op call (cuBLASLt, S=4), from torch.profiler:")
+    lines += [f"  {r['name']:>36} x{r['per_call']:<5.1f} {r['us_per_call']:7.1f} us"
+              for r in traced]
     text = "\n".join(lines)
     print(text)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -129,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
         "meta": {"date": datetime.date.today().isoformat(), "gpu": torch.cuda.get_device_name(),
                  "torch": torch.__version__, "size": args.size, "samples": args.samples,
                  "launch_floor_us": floor, "method": gpu_timing.host_sample.__doc__},
-        "host_us": us, "fits": fits}, indent=1))
+        "host_us": us, "fits": fits, "api_calls_cublaslt_s4": traced}, indent=1))
     return 0
 
 

@@ -225,12 +225,19 @@ class Streams {
     set_torch_stream(s.handle, device_);
     current_ = s;
     if (s.worker >= 0) mark(s.worker, true);
+    if (s.handle == caller_.handle) caller_recorded_ = false;  // work may follow on it
   }
 
   // The current stream waits for the work queued so far on `target` (no host block).
+  // The caller's stream gets work only while current, so the fork records its event once
+  // and every worker waits on that one record.
   void wait(const Stream& target) {
     if (target.handle == current_.handle) return;
-    check_cuda(cudaEventRecord(target.event, target.handle), "codegen", "cudaEventRecord");
+    const bool caller = target.handle == caller_.handle;
+    if (!(caller && caller_recorded_)) {
+      check_cuda(cudaEventRecord(target.event, target.handle), "codegen", "cudaEventRecord");
+      caller_recorded_ = caller_recorded_ || caller;
+    }
     check_cuda(cudaStreamWaitEvent(current_.handle, target.event, 0), "codegen",
                "cudaStreamWaitEvent");
     if (current_.handle == caller_.handle && target.worker >= 0) mark(target.worker, false);
@@ -246,6 +253,7 @@ class Streams {
   Lease* lease_;
   Stream caller_;
   Stream current_;
+  bool caller_recorded_ = false;  // caller_.event holds all the caller's work so far
   std::vector<char> dirty_;  // worker k has work the caller's stream has not waited for
   std::vector<torch::stable::Tensor> kept_;  // see keep()
 };
