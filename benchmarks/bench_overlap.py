@@ -110,13 +110,7 @@ def _rank_main(rank: int, world_size: int, args: argparse.Namespace, store: str)
                 t = torch.tensor([blocks[name].ms()], device=device)
                 dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the slowest rank's time
                 times[name].append(t.item())
-        row: dict[str, Any] = dict(case)
-        for name in ("overlap", "local_gemm", "no_overlap", "async_tp"):
-            row[f"{name}_ms"] = statistics.median(times[name]) if name in times else None
-        row.update(ratio_fields("overlap_local", times["overlap"], times["local_gemm"]))
-        row.update(ratio_fields("overlap_no_overlap", times["overlap"], times["no_overlap"]))
-        if "async_tp" in times:
-            row.update(ratio_fields("overlap_async_tp", times["overlap"], times["async_tp"]))
+        row = summarize(case, times)
         rows.append(row)
         if rank == 0:
             print(_line(row), flush=True)
@@ -189,6 +183,18 @@ def _async_tp(ag: bool, x: Any, w: Any, dist: Any) -> Any:
         return None
 
 
+def summarize(case: dict[str, Any], times: dict[str, list[float]]) -> dict[str, Any]:
+    """The row of one case from per-round times (ms) of its variants: medians and the
+    median per-round ratios of the op to each baseline (async_tp may be missing)."""
+    row: dict[str, Any] = dict(case)
+    for name in ("overlap", "local_gemm", "no_overlap", "async_tp"):
+        row[f"{name}_ms"] = statistics.median(times[name]) if name in times else None
+    for base in ("local_gemm", "no_overlap", "async_tp"):
+        if base in times:
+            row.update(ratio_fields(f"overlap_{base}_ratio", times["overlap"], times[base]))
+    return row
+
+
 def _line(row: dict[str, Any]) -> str:
     def ms(v: float | None) -> str:
         return f"{v:8.3f}" if v is not None else "       -"
@@ -196,7 +202,8 @@ def _line(row: dict[str, Any]) -> str:
     return (f"{row['pattern']:22} D={row['world_size']} {'x'.join(map(str, row['shape'])):>16} "
             f"S={row['slices']:<3} op {ms(row['overlap_ms'])} local {ms(row['local_gemm_ms'])} "
             f"no-overlap {ms(row['no_overlap_ms'])} async-TP {ms(row['async_tp_ms'])} "
-            f"op/local {row['overlap_local_ratio']:.3f}")
+            f"op/local {row['overlap_local_gemm_ratio']:.3f} "
+            f"op/no-overlap {row['overlap_no_overlap_ratio']:.3f}")
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:

@@ -342,3 +342,19 @@ def test_bench_copy_nvtx_cost_probe_builds_and_runs_without_gpu():
 
     ns = bench_copy.nvtx_range_ns()  # None only where no CUDA toolkit is found
     assert ns is None or 0 < ns < 10_000
+
+
+def test_bench_overlap_row_and_line():
+    import bench_overlap as bo
+
+    case = bo.cases(1, (64,), 32, 16, (2,))[0]
+    times = {"overlap": [1.1, 2.2, 3.3], "local_gemm": [1.0, 2.0, 3.0],
+             "no_overlap": [2.2, 4.4, 6.6]}
+    row = bo.summarize(case, times)
+    assert row["overlap_ms"] == 2.2 and row["async_tp_ms"] is None
+    assert row["overlap_local_gemm_ratio"] == pytest.approx(1.1)
+    assert row["overlap_no_overlap_ratio"] == pytest.approx(0.5)
+    assert "overlap_async_tp_ratio" not in row
+    line = bo._line(row)
+    assert "op/local 1.100" in line and "op/no-overlap 0.500" in line
+    assert "async-TP        -" in line
