@@ -383,10 +383,10 @@ class _Statements:
         stacked_in = self.rank[n.input] == self.rank[n.output] + 1
         return {"out": self.names(n.out), "collective": f"rt::Collective::{n.kind.value}",
                 "input": tensor(n.input, stacked_in), "output": tensor(n.output, stacked_out),
-                "size": len(n.team)}
+                "size": len(n.team), "range": self.range(n)}
 
     def Wait(self, n: distributed.Wait) -> dict[str, Any]:
-        return {"communication": self.names(n.communication)}
+        return {"communication": self.names(n.communication), "range": self.range(n)}
 
     def Matmul(self, n: hir.Matmul) -> dict[str, Any]:
         return {"out": self.names(n.out), "a": self.names(n.a), "b": self.names(n.b),

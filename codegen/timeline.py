@@ -1,6 +1,7 @@
 """Which kernels and copies ran on which stream, when: the torch profiler's trace, drawn
-per stream; for programs with host copies, how much of the copy time the GEMMs hid
-(measured from the trace) beside what the schedule allows (planned, ``planned_hidden``).
+per stream; for programs with host copies or collectives, how much of their time the
+GEMMs hid (measured from the trace) beside what the schedule allows (planned,
+``planned_hidden``).
 """
 
 from __future__ import annotations
@@ -18,18 +19,28 @@ from .ir import Const
 
 @dataclasses.dataclass(frozen=True)
 class KernelEvent:
-    """One GPU activity: a kernel, or (``kind`` "HtoD"/"DtoH") a copy."""
+    """One GPU activity: a kernel, a collective's kernel (NCCL), or (``kind``
+    "HtoD"/"DtoH") a copy."""
 
     name: str
     stream: int
     start_us: float
     duration_us: float
-    kind: str = "kernel"  # "kernel" | "HtoD" | "DtoH" | "memset" | "other copy"
+    kind: str = "kernel"  # "kernel" | "collective" | "HtoD" | "DtoH" | "memset" | "other copy"
     nbytes: int = 0  # copies
 
     @property
     def end_us(self) -> float:
         return self.start_us + self.duration_us
+
+
+# What the GEMMs can hide: host copies and collectives.
+TRANSFERS = ("HtoD", "DtoH", "collective")
+
+
+def _kernel_kind(name: str) -> str:
+    """NCCL's kernels (``ncclDevKernel_AllGather_RING_LL``, ...) are a collective's."""
+    return "collective" if name.lower().startswith("nccl") else "kernel"
 
 
 def _copy_kind(name: str) -> str:
@@ -63,14 +74,16 @@ def profile_gpu(fn: Callable[[], object], warmup: int = 2) -> list[KernelEvent]:
         kind = kinds[e["cat"]]
         if kind == "copy":
             kind = _copy_kind(e["name"])
+        elif kind == "kernel":
+            kind = _kernel_kind(e["name"])
         events.append(KernelEvent(e["name"], int(args["stream"]), float(e["ts"]),
                                   float(e["dur"]), kind, int(args.get("bytes", 0))))
     return sorted(events, key=lambda e: e.start_us)
 
 
 def profile_kernels(fn: Callable[[], object], warmup: int = 2) -> list[KernelEvent]:
-    """Runs ``fn`` under the torch profiler; returns its GPU kernels (memsets and copies
-    excluded), sorted by start time."""
+    """Runs ``fn`` under the torch profiler; returns its GPU kernels (collectives',
+    memsets and copies excluded), sorted by start time."""
     return [e for e in profile_gpu(fn, warmup) if e.kind == "kernel"]
 
 
@@ -93,13 +106,14 @@ def _covered(start: float, end: float, union: list[tuple[float, float]]) -> floa
 
 @dataclasses.dataclass(frozen=True)
 class Overlap:
-    """Copy time hidden under GEMM kernels in one traced call."""
+    """Transfer time (host copies, collectives) hidden under GEMM kernels in one traced
+    call."""
 
     copies: dict[str, tuple[int, int, float]]  # kind -> (count, bytes, busy µs)
     gemm_us: float  # time during which at least one GEMM kernel ran
     gemms: int
-    copy_us: float  # sum of the copies' durations
-    hidden_us: float  # sum over copies of their time under some GEMM kernel
+    copy_us: float  # sum of the transfers' durations
+    hidden_us: float  # sum over transfers of their time under some GEMM kernel
 
     @property
     def measured(self) -> float:
@@ -107,12 +121,12 @@ class Overlap:
 
 
 def measure_overlap(events: list[KernelEvent]) -> Overlap:
-    """Sum over copies of the time each spent while some GEMM kernel ran, over the total
-    copy time. Every kernel of a codegen op is a GEMM (cuBLAS), so kernels stand for
-    GEMMs; memsets (empty reductions) do not."""
+    """Sum over transfers (host copies, collectives' kernels) of the time each spent while
+    some GEMM kernel ran, over their total time. Every other kernel of a codegen op is a
+    GEMM (cuBLAS), so kernels stand for GEMMs; memsets (empty reductions) do not."""
     gemms = [e for e in events if e.kind == "kernel"]
     union = _union([(e.start_us, e.end_us) for e in gemms])
-    copies = [e for e in events if e.kind in ("HtoD", "DtoH")]
+    copies = [e for e in events if e.kind in TRANSFERS]
     per_kind: dict[str, tuple[int, int, float]] = {}
     for e in copies:
         count, nbytes, busy = per_kind.get(e.kind, (0, 0, 0.0))
@@ -153,27 +167,36 @@ def planned_hidden(copy_us: dict[str, float], gemm_us: float, slices: int,
 
 
 def overlap_report(events: list[KernelEvent], slices: int, streams: int) -> str:
-    """Lines that say how much copy time the GEMMs hid in one traced call: measured from
-    the trace, beside ``planned_hidden`` from the same trace's copy and GEMM times."""
+    """Lines that say how much transfer time (host copies, collectives) the GEMMs hid in
+    one traced call: measured from the trace, beside ``planned_hidden`` from the same
+    trace's transfer and GEMM times (a sliced collective is a pipeline of one direction,
+    like a host copy: before its GEMM for an all-gather, after it for a reduce-scatter)."""
     o = measure_overlap(events)
     if not o.copies:
-        return "no host copies in this program"
+        return "no host copies or collectives in this program"
     planned = planned_hidden({k: busy for k, (_, _, busy) in o.copies.items()}, o.gemm_us,
                              slices, streams)
     lines = []
     for kind, (count, nbytes, busy) in sorted(o.copies.items()):
+        if kind == "collective":
+            lines.append(f"  collectives: {count} kernels, {busy / 1e3:.3f} ms busy")
+            continue
         rate = nbytes / busy / 1e3 if busy else 0.0
         lines.append(f"  {kind}: {count} copies, {nbytes / 2**20:.1f} MiB, {busy / 1e3:.3f} ms "
                      f"busy ({rate:.1f} GB/s)")
     lines.append(f"  GEMM kernels: {o.gemms}, {o.gemm_us / 1e3:.3f} ms busy")
-    lines.append(f"  copy time hidden under GEMMs: measured {100 * o.measured:.1f} %, "
+    what = " and ".join(w for w, kinds in (("copy", ("HtoD", "DtoH")),
+                                            ("collective", ("collective",)))
+                        if any(k in o.copies for k in kinds))
+    lines.append(f"  {what} time hidden under GEMMs: measured {100 * o.measured:.1f} %, "
                  f"planned {100 * planned:.1f} % ({slices} slices on {streams} streams; "
                  "see codegen.timeline.planned_hidden)")
     return "\n".join(lines)
 
 
 def plot_kernels(events: list[KernelEvent], out: Path, title: str) -> Path:
-    """A Gantt chart: one row per stream, one bar per kernel."""
+    """A Gantt chart: one row per stream, one bar per kernel; copies hatched ``///``,
+    collectives ``xx``, both in a lighter shade."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -183,13 +206,14 @@ def plot_kernels(events: list[KernelEvent], out: Path, title: str) -> Path:
     t0 = min(e.start_us for e in events)
     fig, ax = plt.subplots(figsize=(10, 1.0 + 0.6 * len(streams)))
     for row, s in enumerate(streams):
-        for copies in (False, True):  # copies hatched, in a lighter shade
+        for kinds, hatch in ((("kernel",), None), (("HtoD", "DtoH"), "///"),
+                             (("collective",), "xx")):
             bars = [((e.start_us - t0) / 1000, e.duration_us / 1000) for e in events
-                    if e.stream == s and (e.kind in ("HtoD", "DtoH")) == copies]
+                    if e.stream == s and e.kind in kinds]
             if bars:
                 ax.broken_barh(bars, (row - 0.35, 0.7), facecolors=f"C{row % 10}",
-                               edgecolor="black", linewidth=0.5, alpha=0.45 if copies else 1.0,
-                               hatch="///" if copies else None)
+                               edgecolor="black", linewidth=0.5, alpha=0.45 if hatch else 1.0,
+                               hatch=hatch)
     ax.set_yticks(range(len(streams)), [f"stream {s}" for s in streams])
     ax.set_xlabel("time (ms) from the first kernel")
     ax.set_title(title)
@@ -222,13 +246,15 @@ def draw_timeline(example: str, out: Path, size: int = 4096) -> tuple[Path, str]
     events = [e for e in events if e.kind != "memset"]
     dims = " x ".join(str(list(s)) for s in shapes)
     n_streams = len({e.stream for e in events})
-    n_copies = sum(e.kind != "kernel" for e in events)
-    copies = f", {n_copies} copies (hatched)" if n_copies else ""
+    n_copies = sum(e.kind in ("HtoD", "DtoH", "other copy") for e in events)
+    n_collectives = sum(e.kind == "collective" for e in events)
+    extras = (f", {n_copies} copies (hatched)" if n_copies else "") + (
+        f", {n_collectives} collectives (crossed)" if n_collectives else "")
     path = plot_kernels(events, out, f"{op.name.split('::')[1]}  {dims}  "
-                                     f"({len(events) - n_copies} kernels{copies} on "
-                                     f"{n_streams} streams)")
+                                     f"({len(events) - n_copies - n_collectives} kernels"
+                                     f"{extras} on {n_streams} streams)")
     report = ""
-    if n_copies:
+    if n_copies or n_collectives:
         slices, streams = _slices_and_streams(op.host_ir, shapes)
         report = overlap_report(events, slices, streams)
     return path, report

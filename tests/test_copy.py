@@ -628,7 +628,45 @@ def test_measured_overlap_from_events():
     assert "HtoD: 2 copies" in text and "GEMM kernels: 2, 0.200 ms busy" in text
     assert "measured 42.9 %, planned" in text
     assert overlap_report([KernelEvent("gemm", 1, 0.0, 1.0)], 2, 2) == \
-        "no host copies in this program"
+        "no host copies or collectives in this program"
+
+
+def test_measured_overlap_of_collectives():
+    from codegen.timeline import KernelEvent, _kernel_kind, measure_overlap, overlap_report
+
+    assert _kernel_kind("ncclDevKernel_AllGather_RING_LL(ncclDevKernelArgsStorage<4096ul>)") \
+        == "collective"
+    assert _kernel_kind("nvjet_tst_128x256_64x4_2x1_v_bz_coopA_NNT") == "kernel"
+    # all-gather + GEMM, 3 slices on 2 streams: gather 0 alone, gathers 1 and 2 under the
+    # GEMMs of slices 0 and 1 (40 of their 50 us each).
+    ag, gemm = "ncclDevKernel_AllGather_RING_LL", "nvjet_gemm"
+    events = [
+        KernelEvent(ag, 3, 0.0, 50.0, "collective"),
+        KernelEvent(gemm, 3, 50.0, 100.0),
+        KernelEvent(ag, 5, 60.0, 50.0, "collective"),
+        KernelEvent(gemm, 5, 150.0, 100.0),
+        KernelEvent(ag, 3, 160.0, 50.0, "collective"),
+        KernelEvent(gemm, 3, 250.0, 100.0),
+    ]
+    o = measure_overlap(events)
+    assert o.gemms == 3 and o.copies == {"collective": (3, 0, 150.0)}
+    assert o.hidden_us == 100.0 and o.measured == pytest.approx(100 / 150)
+    text = overlap_report(events, slices=3, streams=2)
+    assert "collectives: 3 kernels, 0.150 ms busy" in text
+    # planned: (S - 1) * min(C / S, G / S) / C = 2 * 50 / 150
+    assert "collective time hidden under GEMMs: measured 66.7 %, planned 66.7 %" in text
+
+
+def test_collectives_are_marked_with_nvtx_ranges_named_for_their_lines():
+    import codegen as cg
+    from codegen import examples
+
+    source = cg.render(cg.lower(examples.allgather_matmul(torch.float32, 4, 2)))
+    assert ('const rt::Range range(op, "i", i, "comm_i = Communication(AllGather, '
+            'input=x_i, output=x_gathered_i, team=(0, 1), group=pg)");') in source
+    assert 'const rt::Range range(op, "i", i, "Wait(comm_i)");' in source
+    source = cg.render(cg.lower(examples.matmul_reduce_scatter(torch.float32, 4, 2)))
+    assert source.count("const rt::Range range(") == 3 * source.count("hir: Matmul(")
 
 
 def test_timeline_slices_and_streams():
