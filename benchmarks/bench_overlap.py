@@ -111,6 +111,9 @@ def _rank_main(rank: int, world_size: int, args: argparse.Namespace, store: str)
                 dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the slowest rank's time
                 times[name].append(t.item())
         row = summarize(case, times)
+        if args.trace:
+            row["trace"] = _trace(variants["overlap"], op.host_ir.pool_size, case, args.out,
+                                  rank)
         rows.append(row)
         if rank == 0:
             print(_line(row), flush=True)
@@ -183,6 +186,22 @@ def _async_tp(ag: bool, x: Any, w: Any, dist: Any) -> Any:
         return None
 
 
+def _trace(call: Any, pool: int, case: dict[str, Any], out: str, rank: int) -> str:
+    """Profiles one call of the op on every rank (the collectives need them all); rank 0
+    draws its streams (collectives crossed) and prints how much collective time the GEMMs
+    hid, measured beside planned (codegen.timeline). Returns that report."""
+    from codegen.timeline import overlap_report, plot_kernels, profile_gpu
+
+    events = [e for e in profile_gpu(call) if e.kind != "memset"]
+    report = overlap_report(events, case["slices"], min(case["slices"], pool))
+    if rank == 0:
+        name = f"overlap_trace_{case['pattern']}_{case['shape'][0]}_s{case['slices']}.png"
+        plot_kernels(events, Path(out) / name, f"{case['pattern']} D={case['world_size']} "
+                     f"{'x'.join(map(str, case['shape']))} S={case['slices']}, rank 0")
+        print(report, flush=True)
+    return report
+
+
 def summarize(case: dict[str, Any], times: dict[str, list[float]]) -> dict[str, Any]:
     """The row of one case from per-round times (ms) of its variants: medians and the
     median per-round ratios of the op to each baseline (async_tp may be missing)."""
@@ -219,6 +238,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup-s", type=float, default=1.0)
     p.add_argument("--block-ms", type=float, default=10.0)
     p.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
+    p.add_argument("--trace", action="store_true",
+                   help="also profile one op call per case: rank 0 draws its streams to "
+                        "overlap_trace_*.png and prints the collective time hidden")
     p.add_argument("--dry-run", action="store_true", help="print the cases; no GPU needed")
     return p.parse_args(argv)
 

@@ -358,3 +358,22 @@ def test_bench_overlap_row_and_line():
     line = bo._line(row)
     assert "op/local 1.100" in line and "op/no-overlap 0.500" in line
     assert "async-TP        -" in line
+
+
+def test_bench_overlap_trace_draws_and_reports(tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")
+    import bench_overlap as bo
+
+    from codegen import timeline
+
+    ag, gemm = "ncclDevKernel_AllGather_RING_LL", "nvjet_gemm"
+    events = [timeline.KernelEvent(ag, 3, 0.0, 50.0, "collective"),
+              timeline.KernelEvent(gemm, 3, 50.0, 100.0),
+              timeline.KernelEvent(ag, 5, 60.0, 50.0, "collective"),
+              timeline.KernelEvent(gemm, 5, 150.0, 100.0)]
+    monkeypatch.setattr(timeline, "profile_gpu", lambda call: events)
+    case = bo.cases(2, (64,), 32, 16, (2,))[0]
+    report = bo._trace(lambda: None, 4, case, str(tmp_path), rank=0)
+    assert "collective time hidden under GEMMs: measured 50.0 %, planned 50.0 %" in report
+    assert [p.name for p in tmp_path.iterdir()] == [
+        f"overlap_trace_{case['pattern']}_{case['shape'][0]}_s2.png"]
