@@ -7,8 +7,10 @@ queued ahead (launches are only queued, never waited for; gpu_timing.host_sample
 variants interleaved sample by sample, medians over --samples:
 
 - ``torch.matmul``: one ATen GEMM, the reference host cost;
-- ``noop``: a stable-ABI op built like a program (runtime.h, TORCH_BOX) that returns its
-  first input: the torch.ops dispatcher and the stable ABI's boxing, nothing else;
+- ``step0`` .. ``step4``: the prologue of a program (built like one: runtime.h,
+  TORCH_BOX) cut after each part (``LADDER``): step 0 returns its first input (the
+  torch.ops dispatcher and the stable ABI's boxing, nothing else), step 4 forks and joins
+  four workers without GEMMs; the differences are each part's host µs;
 - for S = 1, 2, 4, 8 and both GEMM libraries, the program ``matmul_rows`` called as
   ``CompiledOp`` (``op(a, b)``, the public path) and as its ``torch.ops`` overload
   (``op.op.default(a, b)``; the difference is the Python wrapper);
@@ -50,19 +52,57 @@ from codegen.build import build_library  # noqa: E402
 
 SLICES = (1, 2, 4, 8)
 LIBRARIES = ("cublaslt", "cublas")
-NOOP_SOURCE = """\
+# The prologue of matmul_rows_bf16 (csrc_gen/) cut after each part: step N does parts
+# 1..N and returns. Step 0 does nothing; the full op (S = 4) adds the four GEMMs.
+LADDER = ("dispatcher + boxing", "read and check the arguments",
+          "device guard + GEMM types (precision flags)", "Streams + allocate the output",
+          "fork and join 4 workers (events, current stream)")
+LADDER_SOURCE = """\
 #include "codegen/runtime.h"
 namespace {
-torch::stable::Tensor host_cost_noop(torch::stable::Tensor a, torch::stable::Tensor b) {
-  (void)b;
-  return a;
+namespace rt = codegen_rt;
+template <int Step>
+torch::stable::Tensor step(torch::stable::Tensor T0_arg, torch::stable::Tensor T1_arg) {
+  const char* const op = "host_cost_step";
+  if constexpr (Step == 0) return T0_arg;
+  const rt::Buffer T0 = rt::input(T0_arg, op, "T0", rt::DType::BFloat16, 2, "bfloat16[m, k]");
+  const rt::Buffer T1 = rt::input(T1_arg, op, "T1", rt::DType::BFloat16, 2, "bfloat16[k, n]");
+  const int32_t device = T0.device;
+  rt::same_device(T1, "T1", T0, "T0", op);
+  const int64_t m = T0.size(0);
+  const int64_t n = T1.size(1);
+  rt::check_matrix(T0, op, "T0");
+  rt::check_matrix(T1, op, "T1");
+  if constexpr (Step == 1) return T0_arg;
+  const torch::stable::accelerator::DeviceGuard device_guard(device);
+  rt::Gemms gemms(rt::DType::BFloat16, device, /*cublaslt=*/true, /*sm_count=*/0, op);
+  if constexpr (Step == 2) return T0_arg;
+  rt::Streams streams(device);
+  const rt::Stream main_stream = streams.current();
+  rt::Buffer T2 = streams.keep(rt::empty({m, n}, rt::DType::BFloat16, device, op));
+  if constexpr (Step == 3) return T2.tensor;
+  for (int64_t j = 0; j < 4; ++j) {
+    streams.set_current(streams.worker(j));
+    streams.wait(main_stream);
+  }
+  streams.set_current(main_stream);
+  for (int64_t j = 0; j < 4; ++j) streams.wait(streams.worker(j));
+  return T2.tensor;
 }
 }  // namespace
 STABLE_TORCH_LIBRARY_FRAGMENT(codegen_bench, m) {
-  m.def("host_cost_noop(Tensor a, Tensor b) -> Tensor");
+  m.def("host_cost_step0(Tensor a, Tensor b) -> Tensor");
+  m.def("host_cost_step1(Tensor a, Tensor b) -> Tensor");
+  m.def("host_cost_step2(Tensor a, Tensor b) -> Tensor");
+  m.def("host_cost_step3(Tensor a, Tensor b) -> Tensor");
+  m.def("host_cost_step4(Tensor a, Tensor b) -> Tensor");
 }
 STABLE_TORCH_LIBRARY_IMPL(codegen_bench, CUDA, m) {
-  m.impl("host_cost_noop", TORCH_BOX(&host_cost_noop));
+  m.impl("host_cost_step0", TORCH_BOX(&step<0>));
+  m.impl("host_cost_step1", TORCH_BOX(&step<1>));
+  m.impl("host_cost_step2", TORCH_BOX(&step<2>));
+  m.impl("host_cost_step3", TORCH_BOX(&step<3>));
+  m.impl("host_cost_step4", TORCH_BOX(&step<4>));
 }
 """
 
@@ -117,12 +157,14 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("host_cost: needs a CUDA GPU", file=sys.stderr)
         return 1
-    build_library("codegen_bench_host_cost_noop", NOOP_SOURCE)
-    noop = torch.ops.codegen_bench.host_cost_noop.default
+    build_library("codegen_bench_host_cost_ladder", LADDER_SOURCE)
+    steps = [getattr(torch.ops.codegen_bench, f"host_cost_step{i}").default
+             for i in range(len(LADDER))]
     a, b = (torch.randn(args.size, args.size, device="cuda", dtype=torch.bfloat16)
             for _ in range(2))
-    variants: dict[str, Callable[[], Any]] = {
-        "torch.matmul": lambda: torch.matmul(a, b), "noop": lambda: noop(a, b)}
+    variants: dict[str, Callable[[], Any]] = {"torch.matmul": lambda: torch.matmul(a, b)}
+    for i, fn in enumerate(steps):
+        variants[f"step{i}"] = lambda fn=fn: fn(a, b)
     for lib in LIBRARIES:
         for s in SLICES:
             op = cg.compile(examples.matmul_rows(torch.bfloat16, s, f"host_cost_s{s}"),
@@ -143,7 +185,12 @@ def main(argv: list[str] | None = None) -> int:
         lines.append(f"{lib}: fixed {fixed:.1f} us + {per_slice:.1f} us per slice "
                      f"({per_slice / floor:.2f} x launch floor {floor:.1f} us); Python wrapper "
                      f"{fits[lib]['python_wrapper_us']:.1f} us; dispatcher + boxing "
-                     f"(noop) {us['noop']:.1f} us")
+                     f"(step0) {us['step0']:.1f} us")
+    parts = {LADDER[0]: us["step0"]}
+    parts |= {LADDER[i]: us[f"step{i}"] - us[f"step{i - 1}"] for i in range(1, len(LADDER))}
+    parts["4 GEMMs (cuBLASLt plans)"] = us["cublaslt S=4 overload"] - us[f"step{len(LADDER) - 1}"]
+    lines.append("The op at S = 4 (cuBLASLt), part by part (differences of medians):")
+    lines += [f"  {name:>48} {value:7.1f} us" for name, value in parts.items()]
     traced = api_calls(variants["cublaslt S=4 overload"])
     lines.append("CUDA API calls per op call (cuBLASLt, S=4), from torch.profiler:")
     lines += [f"  {r['name']:>36} x{r['per_call']:<5.1f} {r['us_per_call']:7.1f} us"
@@ -155,7 +202,8 @@ def main(argv: list[str] | None = None) -> int:
         "meta": {"date": datetime.date.today().isoformat(), "gpu": torch.cuda.get_device_name(),
                  "torch": torch.__version__, "size": args.size, "samples": args.samples,
                  "launch_floor_us": floor, "method": gpu_timing.host_sample.__doc__},
-        "host_us": us, "fits": fits, "api_calls_cublaslt_s4": traced}, indent=1))
+        "host_us": us, "fits": fits, "parts_cublaslt_s4": parts,
+        "api_calls_cublaslt_s4": traced}, indent=1))
     return 0
 
 

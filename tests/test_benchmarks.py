@@ -337,6 +337,18 @@ def test_host_cost_fit_and_its_message_without_gpu():
         assert done.returncode == 1 and "needs a CUDA GPU" in done.stderr
 
 
+def test_host_cost_ladder_builds_and_registers_each_step(cache_dir):
+    import host_cost
+
+    from codegen.build import build_library
+
+    build_library("codegen_bench_host_cost_ladder", host_cost.LADDER_SOURCE)
+    for i in range(len(host_cost.LADDER)):
+        overload = getattr(torch.ops.codegen_bench, f"host_cost_step{i}").default
+        assert str(overload._schema) == \
+            f"codegen_bench::host_cost_step{i}(Tensor a, Tensor b) -> Tensor"
+
+
 def test_bench_copy_nvtx_cost_probe_builds_and_runs_without_gpu():
     import bench_copy
 
