@@ -78,10 +78,10 @@ def main() -> int:
         print("copy2d_probe: needs a CUDA GPU", file=sys.stderr)
         return 1
     print(f"{'S':>3} {'row bytes':>9} {'2-D, 1 stream':>14} {'2-D, 4 streams':>15} "
-          f"{'1-D, 4 streams':>15}   (GB/s)")
+          f"{'dense, 4 streams':>16}   (GB/s; dense: row blocks, width = pitch)")
     for slices in (1, 2, 4, 8, 16):
         print(f"{slices:>3} {N // slices * 2:>9} {copies_gbps(1, slices, True):14.1f} "
-              f"{copies_gbps(4, slices, True):15.1f} {copies_gbps(4, slices, False):15.1f}",
+              f"{copies_gbps(4, slices, True):15.1f} {copies_gbps(4, slices, False):16.1f}",
               flush=True)
     return 0
 

@@ -397,6 +397,15 @@ class _Statements:
                 "bias": self.names(n.bias) if n.bias else "", "range": self.range(n)}
 
 
+def _cublaslt(program: hir.HostProgram) -> str:
+    """The Gemms constructor's flag for ``program.gemm_library`` (lowering validates it;
+    a HostProgram built by hand is checked here)."""
+    if program.gemm_library not in ("cublaslt", "cublas"):
+        raise InternalError(f"{program.name}: gemm_library must be 'cublaslt' or 'cublas', "
+                            f"got {program.gemm_library!r}")
+    return "true" if program.gemm_library == "cublaslt" else "false"
+
+
 def prepare(program: hir.HostProgram) -> dict[str, Any]:
     """The plain data the templates render: strings and lists only."""
     if not isinstance(program, hir.HostProgram):
@@ -432,7 +441,7 @@ def prepare(program: hir.HostProgram) -> dict[str, Any]:
         else f"std::make_tuple({', '.join(o + '.tensor' for o in outs)})",
         "dtype": DTYPES[dtype],
         "sm_count": program.gemm_sm_count,
-        "cublaslt": "true" if program.gemm_library == "cublaslt" else "false",
+        "cublaslt": _cublaslt(program),
         "body": statements.out,
         **_input_checks(program, names),
     }

@@ -170,7 +170,10 @@ def overlap_report(events: list[KernelEvent], slices: int, streams: int) -> str:
     """Lines that say how much transfer time (host copies, collectives) the GEMMs hid in
     one traced call: measured from the trace, beside ``planned_hidden`` from the same
     trace's transfer and GEMM times (a sliced collective is a pipeline of one direction,
-    like a host copy: before its GEMM for an all-gather, after it for a reduce-scatter)."""
+    like a host copy: before its GEMM for an all-gather, after it for a reduce-scatter).
+    An NCCL kernel's duration includes the time it waits for the other ranks, so a
+    collective launched early that idles under a GEMM counts as hidden: the measured
+    collective share can exceed the planned one, and is an upper bound on the overlap."""
     o = measure_overlap(events)
     if not o.copies:
         return "no host copies or collectives in this program"
@@ -206,7 +209,7 @@ def plot_kernels(events: list[KernelEvent], out: Path, title: str) -> Path:
     t0 = min(e.start_us for e in events)
     fig, ax = plt.subplots(figsize=(10, 1.0 + 0.6 * len(streams)))
     for row, s in enumerate(streams):
-        for kinds, hatch in ((("kernel",), None), (("HtoD", "DtoH"), "///"),
+        for kinds, hatch in ((("kernel",), None), (("HtoD", "DtoH", "other copy"), "///"),
                              (("collective",), "xx")):
             bars = [((e.start_us - t0) / 1000, e.duration_us / 1000) for e in events
                     if e.stream == s and e.kind in kinds]

@@ -9,4 +9,4 @@ OUT=${OUT:-/tmp}; mkdir -p $OUT/tp  # at most 8 files come back
 timeout ${TEST_S:-260} python3 -X faulthandler -m pytest -m gpu -q -p no:cacheprovider -rs "$@" 2>&1 | tee $OUT/gpu.log | tail -25
 timeout ${HOST_S:-70} python3 benchmarks/host_cost.py --out $OUT 2>&1 | tee $OUT/host_cost.log | tail -40
 timeout ${BENCH_S:-90} python3 benchmarks/bench_matmul.py --quick --no-plot --out /tmp/quick 2>&1 | tee $OUT/bench.log | tail -20
-timeout ${TP_S:-60} python3 benchmarks/bench_overlap.py --world-size 1 --rounds 3 --warmup-s 0.3 --slices 2,4 --tokens 8192 --trace --out $OUT/tp 2>&1 | tee $OUT/overlap.log | tail -20
+timeout ${TP_S:-60} python3 benchmarks/bench_overlap.py --world-size 1 --rounds 3 --warmup-s 0.3 --slices 4 --tokens 8192 --trace --out $OUT/tp 2>&1 | tee $OUT/overlap.log | tail -20
