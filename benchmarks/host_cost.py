@@ -46,6 +46,7 @@ for _p in (str(REPO), str(BENCH)):
 
 import gpu_timing  # noqa: E402
 import launch_floor  # noqa: E402
+from interleave import rotated  # noqa: E402
 
 import codegen as cg  # noqa: E402
 from codegen import examples  # noqa: E402
@@ -108,24 +109,12 @@ STABLE_TORCH_LIBRARY_IMPL(codegen_bench, CUDA, m) {
 """
 
 
-def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
-    """Least-squares (intercept, slope) of ys over xs.
-
-    >>> fit_line([1, 2, 4], [3, 5, 9])
-    (1.0, 2.0)
-    """
-    mx, my = statistics.fmean(xs), statistics.fmean(ys)
-    slope = (sum((x - mx) * (y - my) for x, y in zip(xs, ys))
-             / sum((x - mx) ** 2 for x in xs))
-    return my - slope * mx, slope
-
-
 def measure(variants: dict[str, Callable[[], Any]], samples: int) -> dict[str, float]:
     """Median host µs per call of each variant, sampled in rotated order."""
     got: dict[str, list[float]] = {v: [] for v in variants}
     names = list(variants)
     for r in range(samples):
-        for v in names[r % len(names):] + names[:r % len(names)]:
+        for v in rotated(names, r):
             got[v].append(gpu_timing.host_sample(variants[v]))
     return {v: statistics.median(s) for v, s in got.items()}
 
@@ -180,7 +169,8 @@ def main(argv: list[str] | None = None) -> int:
     lines = [f"{v:>28} {t:8.1f}" for v, t in us.items()]
     fits = {}
     for lib in LIBRARIES:
-        fixed, per_slice = fit_line(list(SLICES), [us[f"{lib} S={s} overload"] for s in SLICES])
+        per_slice, fixed = statistics.linear_regression(
+            SLICES, [us[f"{lib} S={s} overload"] for s in SLICES])
         fits[lib] = {"fixed_us": fixed, "per_slice_us": per_slice,
                      "per_slice_over_floor": per_slice / floor if floor else None,
                      "python_wrapper_us": statistics.median(

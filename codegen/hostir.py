@@ -296,6 +296,11 @@ class Constraint:
     what: str  # e.g. "matmul T2: T0 axis 1 and T1 axis 0"
 
 
+# What a program's GEMMs call: "cublaslt", cached cuBLASLt plans on the worker streams (the
+# default), or "cublas", one cublasGemmEx per GEMM.
+GEMM_LIBRARIES = ("cublaslt", "cublas")
+
+
 @dataclasses.dataclass(eq=False)
 class HostProgram:
     name: str
@@ -305,8 +310,7 @@ class HostProgram:
     constraints: list[Constraint] = dataclasses.field(default_factory=list)
     pool_size: int = 4
     gemm_sm_count: int = 0  # SMs each GEMM may use (cuBLASLt's SM_COUNT_TARGET); 0 = all
-    # "cublaslt": cached cuBLASLt plans on the worker streams; "cublas": cublasGemmEx.
-    gemm_library: str = "cublaslt"
+    gemm_library: str = "cublaslt"  # one of GEMM_LIBRARIES
 
     def nodes(self) -> Iterator[Node]:
         """Every node in program order, loop bodies included (pre-order)."""

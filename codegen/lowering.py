@@ -23,9 +23,6 @@ def _dump(title: str, text: str) -> None:
     print(f"=== {title} ===\n{text}", file=sys.stderr)
 
 
-GEMM_LIBRARIES = ("cublaslt", "cublas")
-
-
 def lower(fusion: Fusion, *, pool_size: int = 4, gemm_sm_count: int = 0,
           gemm_library: str = "cublaslt") -> hir.HostProgram:
     """Runs the fusion passes on a copy of ``fusion``, builds the host program and runs the
@@ -40,8 +37,8 @@ def lower(fusion: Fusion, *, pool_size: int = 4, gemm_sm_count: int = 0,
     if isinstance(gemm_sm_count, bool) or not isinstance(gemm_sm_count, int) or gemm_sm_count < 0:
         raise ScheduleError(f"lower: gemm_sm_count must be an int >= 0 (0 = all SMs), got "
                             f"{gemm_sm_count!r}")
-    if gemm_library not in GEMM_LIBRARIES:
-        choices = ", ".join(map(repr, GEMM_LIBRARIES))
+    if gemm_library not in hir.GEMM_LIBRARIES:
+        choices = ", ".join(map(repr, hir.GEMM_LIBRARIES))
         raise ScheduleError(f"lower: gemm_library must be one of {choices}, got {gemm_library!r}")
     if gemm_sm_count and gemm_library != "cublaslt":
         raise ScheduleError(f"lower: gemm_sm_count={gemm_sm_count} needs gemm_library='cublaslt' "

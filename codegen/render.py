@@ -400,9 +400,9 @@ class _Statements:
 def _cublaslt(program: hir.HostProgram) -> str:
     """The Gemms constructor's flag for ``program.gemm_library`` (lowering validates it;
     a HostProgram built by hand is checked here)."""
-    if program.gemm_library not in ("cublaslt", "cublas"):
-        raise InternalError(f"{program.name}: gemm_library must be 'cublaslt' or 'cublas', "
-                            f"got {program.gemm_library!r}")
+    if program.gemm_library not in hir.GEMM_LIBRARIES:
+        raise InternalError(f"{program.name}: gemm_library must be one of "
+                            f"{hir.GEMM_LIBRARIES}, got {program.gemm_library!r}")
     return "true" if program.gemm_library == "cublaslt" else "false"
 
 

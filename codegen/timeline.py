@@ -34,8 +34,10 @@ class KernelEvent:
         return self.start_us + self.duration_us
 
 
+HOST_COPIES = ("HtoD", "DtoH")
+COPIES = (*HOST_COPIES, "other copy")  # drawn hatched
 # What the GEMMs can hide: host copies and collectives.
-TRANSFERS = ("HtoD", "DtoH", "collective")
+TRANSFERS = (*HOST_COPIES, "collective")
 
 
 def _kernel_kind(name: str) -> str:
@@ -44,7 +46,7 @@ def _kernel_kind(name: str) -> str:
 
 
 def _copy_kind(name: str) -> str:
-    for kind in ("HtoD", "DtoH"):
+    for kind in HOST_COPIES:
         if kind in name:
             return kind
     return "other copy"
@@ -188,7 +190,7 @@ def overlap_report(events: list[KernelEvent], slices: int, streams: int) -> str:
         lines.append(f"  {kind}: {count} copies, {nbytes / 2**20:.1f} MiB, {busy / 1e3:.3f} ms "
                      f"busy ({rate:.1f} GB/s)")
     lines.append(f"  GEMM kernels: {o.gemms}, {o.gemm_us / 1e3:.3f} ms busy")
-    what = " and ".join(w for w, kinds in (("copy", ("HtoD", "DtoH")),
+    what = " and ".join(w for w, kinds in (("copy", HOST_COPIES),
                                             ("collective", ("collective",)))
                         if any(k in o.copies for k in kinds))
     lines.append(f"  {what} time hidden under GEMMs: measured {100 * o.measured:.1f} %, "
@@ -209,7 +211,7 @@ def plot_kernels(events: list[KernelEvent], out: Path, title: str) -> Path:
     t0 = min(e.start_us for e in events)
     fig, ax = plt.subplots(figsize=(10, 1.0 + 0.6 * len(streams)))
     for row, s in enumerate(streams):
-        for kinds, hatch in ((("kernel",), None), (("HtoD", "DtoH", "other copy"), "///"),
+        for kinds, hatch in ((("kernel",), None), (COPIES, "///"),
                              (("collective",), "xx")):
             bars = [((e.start_us - t0) / 1000, e.duration_us / 1000) for e in events
                     if e.stream == s and e.kind in kinds]
@@ -249,7 +251,7 @@ def draw_timeline(example: str, out: Path, size: int = 4096) -> tuple[Path, str]
     events = [e for e in events if e.kind != "memset"]
     dims = " x ".join(str(list(s)) for s in shapes)
     n_streams = len({e.stream for e in events})
-    n_copies = sum(e.kind in ("HtoD", "DtoH", "other copy") for e in events)
+    n_copies = sum(e.kind in COPIES for e in events)
     n_collectives = sum(e.kind == "collective" for e in events)
     extras = (f", {n_copies} copies (hatched)" if n_copies else "") + (
         f", {n_collectives} collectives (crossed)" if n_collectives else "")

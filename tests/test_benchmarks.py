@@ -324,17 +324,10 @@ def test_overlap_dry_run_needs_no_gpu():
 # ---------------------------------------------------------------------------- host_cost
 
 
-def test_host_cost_fit_and_its_message_without_gpu():
-    import doctest
-
-    import host_cost
-
-    assert doctest.testmod(host_cost).failed == 0
-    intercept, slope = host_cost.fit_line([1, 2, 4, 8], [12.0, 19.0, 33.0, 61.0])
-    assert intercept == pytest.approx(5.0) and slope == pytest.approx(7.0)
-    if not torch.cuda.is_available():
-        done = run_script("benchmarks/host_cost.py")
-        assert done.returncode == 1 and "needs a CUDA GPU" in done.stderr
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the message is for machines without one")
+def test_host_cost_says_it_needs_a_gpu():
+    done = run_script("benchmarks/host_cost.py")
+    assert done.returncode == 1 and "needs a CUDA GPU" in done.stderr
 
 
 def test_host_cost_ladder_builds_and_registers_each_step(cache_dir):

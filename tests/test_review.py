@@ -191,7 +191,9 @@ def test_empty_contraction_gives_zeros_or_bias(kind, axis):
 # ---------------------------------------------------------------------------- item 5
 
 
-def shared_input_fusion(second_axis, second_factor):
+def shared_input_fusion(second=None):
+    """t1 = a @ w1 (rows in 2 slices) and t2 = a @ w2, t2 split as ``second`` = (axis,
+    factor) if given, else left to follow t1."""
     with cg.Fusion("shared_input") as fusion:
         a, w1, w2 = cg.input(["m", "k"]), cg.input(["k", "n"]), cg.input(["k", "p"])
         t1, t2 = cg.matmul(a, w1), cg.matmul(a, w2)
@@ -199,14 +201,15 @@ def shared_input_fusion(second_axis, second_factor):
         cg.output(t2)
     t1.outer_split(0, 2)
     t1.axis(0).parallelize(S)
-    t2.outer_split(second_axis, second_factor)
-    t2.axis(second_axis).parallelize(S)
+    if second is not None:
+        t2.outer_split(*second)
+        t2.axis(second[0]).parallelize(S)
     return fusion
 
 
 @pytest.mark.parametrize("second", [(1, 3), (0, 4)], ids=["columns3", "rows4"])
 def test_one_input_read_with_different_splits_is_two_loops(second):
-    program = cg.lower(shared_input_fusion(*second))
+    program = cg.lower(shared_input_fusion(second))
     first, other = stream_loops(program)
     assert (str(first.stop), str(other.stop)) == ("2", str(second[1]))
     read_a = [[n.axis for n in loop.body if isinstance(n, hir.ShardByStream) and n.tensor == "T0"]
@@ -217,17 +220,11 @@ def test_one_input_read_with_different_splits_is_two_loops(second):
         o1, o2 = cg.evaluate(program, [a, w1, w2])
         assert torch.equal(o1, a @ w1) and torch.equal(o2, a @ w2)
     # The input shows no split: its readers disagree.
-    assert cg.schedule(shared_input_fusion(*second)).inputs[0].stream_id() is None
+    assert cg.schedule(shared_input_fusion(second)).inputs[0].stream_id() is None
 
 
 def test_split_still_passes_through_an_input_to_its_other_readers():
-    with cg.Fusion("siblings") as fusion:
-        a, w1, w2 = cg.input(["m", "k"]), cg.input(["k", "n"]), cg.input(["k", "p"])
-        t1, t2 = cg.matmul(a, w1), cg.matmul(a, w2)
-        cg.output(t1)
-        cg.output(t2)
-    t1.outer_split(0, 2)
-    t1.axis(0).parallelize(S)
+    fusion = shared_input_fusion()
     program = cg.lower(fusion)
     (loop,) = stream_loops(program)  # t2 follows t1 through a: one loop, two matmuls
     assert sum(isinstance(n, hir.Matmul) for n in loop.body) == 2
