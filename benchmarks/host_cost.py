@@ -14,6 +14,9 @@ variants interleaved sample by sample, medians over --samples:
 - for S = 1, 2, 4, 8 and both GEMM libraries, the program ``matmul_rows`` called as
   ``CompiledOp`` (``op(a, b)``, the public path) and as its ``torch.ops`` overload
   (``op.op.default(a, b)``; the difference is the Python wrapper);
+- ``inference: ...``: ``torch.matmul`` and the op at S = 1 under
+  ``torch.inference_mode()``, where the dispatcher skips autograd kernels (the op's is
+  Python: ``torch.library.register_autograd``, which makes backward fail with a message);
 - a least-squares line through the overload's times over S: ``fixed_us`` (intercept, the
   cost of one call with no slices) and ``per_slice_us`` (slope), to compare with
   ``launch_floor_us`` (one cached cublasLtMatmul launch in a C++ loop, launch_floor.py).
@@ -109,13 +112,20 @@ STABLE_TORCH_LIBRARY_IMPL(codegen_bench, CUDA, m) {
 """
 
 
+INFERENCE = "inference: "  # variants named so are sampled under torch.inference_mode()
+
+
 def measure(variants: dict[str, Callable[[], Any]], samples: int) -> dict[str, float]:
-    """Median host µs per call of each variant, sampled in rotated order."""
+    """Median host µs per call of each variant, sampled in rotated order; a variant whose
+    name starts with ``INFERENCE`` is sampled inside ``torch.inference_mode()`` (entered
+    once per sample, outside the timed calls)."""
     got: dict[str, list[float]] = {v: [] for v in variants}
     names = list(variants)
     for r in range(samples):
         for v in rotated(names, r):
-            got[v].append(gpu_timing.host_sample(variants[v]))
+            mode = torch.inference_mode(v.startswith(INFERENCE))
+            with mode:
+                got[v].append(gpu_timing.host_sample(variants[v]))
     return {v: statistics.median(s) for v, s in got.items()}
 
 
@@ -163,6 +173,11 @@ def main(argv: list[str] | None = None) -> int:
                             gemm_library=lib)
             variants[f"{lib} S={s} op()"] = lambda op=op: op(a, b)
             variants[f"{lib} S={s} overload"] = lambda op=op: op.op.default(a, b)
+            if s == 1 and lib == "cublaslt":
+                variants[f"{INFERENCE}{lib} S={s} op()"] = lambda op=op: op(a, b)
+    # Under inference mode the dispatcher skips autograd kernels: torch's (C++) and the
+    # op's (Python, torch.library.register_autograd: it says there is no backward).
+    variants[f"{INFERENCE}torch.matmul"] = lambda: torch.matmul(a, b)
     gpu_timing.warm_up(lambda: [fn() for fn in variants.values()], 1.0, batch=3)
     us = measure(variants, args.samples)
     floor = launch_floor.measure()["launch_floor_us"]
@@ -182,6 +197,10 @@ def main(argv: list[str] | None = None) -> int:
     parts = {LADDER[0]: us["step0"]}
     parts |= {LADDER[i]: us[f"step{i}"] - us[f"step{i - 1}"] for i in range(1, len(LADDER))}
     parts["4 GEMMs (cuBLASLt plans)"] = us["cublaslt S=4 overload"] - us[f"step{len(LADDER) - 1}"]
+    s1 = {"grad mode": us["cublaslt S=1 op()"] / us["torch.matmul"],
+          "inference_mode": us[f"{INFERENCE}cublaslt S=1 op()"] / us[f"{INFERENCE}torch.matmul"]}
+    lines.append("S = 1, op() / one torch.matmul: " +
+                 ", ".join(f"{mode} {ratio:.2f}x" for mode, ratio in s1.items()))
     lines.append("The op at S = 4 (cuBLASLt), part by part (differences of medians):")
     lines += [f"  {name:>48} {value:7.1f} us" for name, value in parts.items()]
     traced = api_calls(variants["cublaslt S=4 overload"])
@@ -195,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
         "meta": {"date": datetime.date.today().isoformat(), "gpu": torch.cuda.get_device_name(),
                  "torch": torch.__version__, "size": args.size, "samples": args.samples,
                  "launch_floor_us": floor, "method": gpu_timing.host_sample.__doc__},
-        "host_us": us, "fits": fits, "parts_cublaslt_s4": parts,
+        "host_us": us, "fits": fits, "s1_over_torch_matmul": s1, "parts_cublaslt_s4": parts,
         "api_calls_cublaslt_s4": traced}, indent=1))
     return 0
 

@@ -425,6 +425,7 @@ class CompiledOp:
         self._source = source
         self.name = f"{NAMESPACE}::{op_name}"
         self.op = getattr(getattr(torch.ops, NAMESPACE), op_name)
+        self._overload = self.op.default  # called directly: no overload resolution per call
         self._communicates = bool(distributed.communications(program))
 
     @property
@@ -439,11 +440,11 @@ class CompiledOp:
         torch.distributed's default group), resolved now."""
         if self._communicates:
             pg = distributed.resolve_group(self.host_ir, group)
-            return self.op(*inputs, pg.group_name)  # type: ignore[union-attr]
+            return self._overload(*inputs, pg.group_name)  # type: ignore[union-attr]
         if group is not None:
             raise TypeError(f"{self.host_ir.name}: group= is only for programs with "
                             "collectives; this one has none")
-        return self.op(*inputs)
+        return self._overload(*inputs)
 
     def __repr__(self) -> str:
         return f"CompiledOp({self.name}, library={self.library})"

@@ -473,16 +473,27 @@ def stream_count(loop: ForLoop, pool: int) -> Expr:
     return minimum(loop.stop, Const(pool))
 
 
+def on_caller_stream(loop: ForLoop, pool: int) -> bool:
+    """Whether a stream loop runs on one stream only (one slice, or ``pool_size=1``):
+    then its iterations stay on the caller's stream, which orders them as a worker
+    would, without the events and stream switches of a fork and a join."""
+    count = stream_count(loop, pool)
+    return isinstance(count, Const) and count.value <= 1
+
+
 def assign_streams(program: HostProgram) -> HostProgram:
     """Puts each stream loop's iteration on a worker stream from a bounded pool.
 
     Before:  for i in range(0, 8) [Stream]:  Matmul(...)
     After:   for i in range(0, 8) [Stream]:  SetCurrentStream(Stream(i % 4)); Matmul(...)
-    (``Stream(i)`` when the loop never has more iterations than the pool.)
+    (``Stream(i)`` when the loop never has more iterations than the pool; a loop that
+    would use one stream keeps the caller's, ``on_caller_stream``.)
     """
     pool = program.pool_size
 
     def assign(loop: ForLoop) -> list[Node]:
+        if on_caller_stream(loop, pool):
+            return [loop]
         body = [SetCurrentStream(worker_stream(loop, pool)), *loop.body]
         return [dataclasses.replace(loop, body=body)]
 
@@ -500,13 +511,16 @@ def insert_fork_join(program: HostProgram) -> HostProgram:
              for j in range(0, min(S, pool)): Synchronize(Stream(j))
     Synchronizing inside the compute loop would serialize the slices; here each worker
     waits once for the caller's prior work (fork) and the caller waits once for each
-    worker (join), so the caller can consume the outputs on its own stream.
+    worker (join), so the caller can consume the outputs on its own stream. A loop on
+    the caller's stream (``on_caller_stream``) needs neither.
     """
     pool = program.pool_size
     used = False
 
     def fork_join(loop: ForLoop) -> list[Node]:
         nonlocal used
+        if on_caller_stream(loop, pool):
+            return [loop]
         used = True
         n_streams = stream_count(loop, pool)
         fork = ForLoop("j", Const(0), n_streams,

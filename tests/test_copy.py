@@ -148,9 +148,12 @@ def test_one_staging_slot_per_worker_stream(name, slices, slots):
     program = cg.lower(make(torch.float32, slices), pool_size=4)
     (loop,) = stream_loops(program)
     assert kinds(loop.body).count("Copy") == (1 if name == "stream_weights" else 2)
-    (stream,) = [n.stream for n in loop.body if isinstance(n, hir.SetCurrentStream)]
+    streams = [n.stream for n in loop.body if isinstance(n, hir.SetCurrentStream)]
     staged = [n for n in loop.body if isinstance(n, hir.StagingSlot)]
-    assert staged and all(s.slot == stream for s in staged)  # slot = stream index
+    if slots == 1:  # one slice: on the caller's stream, one slot
+        assert staged and not streams and all(s.slot == hir.Stream("i") for s in staged)
+    else:
+        assert staged and all(s.slot == streams[0] for s in staged)  # slot = stream index
     allocs = program.allocations()
     for s in staged:
         assert allocs[s.stage].shape[0] == Const(slots)
@@ -697,10 +700,25 @@ def test_bench_copy_table_and_ratios():
     assert bench_copy.median_ratio([2.0, 3.0, 10.0], [1.0, 1.0, 1.0]) == 3.0
     row = {"shape": "balanced", "m": 13312, "slices": 8, "copy_ms": 2.4, "gemm_ms": 2.3,
            "op_ms": 2.8, "op_ratio": 1.17, "floor_ratio": 1.125, "op_floor_ratio": 1.04,
-           "op_col_ratio": 1.15, "python_ratio": 1.2, "copy_then_gemm_ratio": 1.96,
-           "op_host_us": 120.0}
+           "op_col_ratio": 1.15, "op_unqueued_ratio": 1.31, "python_ratio": 1.2,
+           "copy_then_gemm_ratio": 1.96, "op_host_us": 120.0}
     text = bench_copy.table([row])
     assert "balanced  13312   8" in text and "1.170  1.125" in text
+    assert "no queue" in text and "1.150    1.310" in text
+
+
+def test_bench_copy_builds_the_op_without_copy_queues():
+    import sys
+
+    sys.path.insert(0, str(TESTS.parent / "benchmarks"))
+    import bench_copy
+
+    program = cg.lower(ex.stream_weights(torch.float32, 8))
+    plain = bench_copy.without_copy_queues(program)
+    assert "CopyQueue" not in str(plain) and "queue=" not in str(plain)
+    assert str(plain).count("Copy(T1_i, out=T1_s)") == 1
+    x, w = ints(6, 5), ints(5, 13)
+    assert torch.equal(cg.evaluate(plain, [x, w])[0], x @ w)
 
 
 WARN_PROBE = """

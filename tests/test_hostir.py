@@ -1,9 +1,12 @@
 """Host IR: exact printed text, the host-IR passes, verify, and CODEGEN_DUMP."""
 
 import pytest
+import torch
+from conftest import ints
 from helpers import stream_loops, stream_matmul_columns, stream_matmul_rows, two_matmuls
 
 import codegen as cg
+from codegen import examples as ex
 from codegen import hostir as hir
 from codegen.errors import InternalError
 from codegen.ir import Const, Sym
@@ -152,3 +155,24 @@ def test_dump_prints_each_pass(monkeypatch, capsys):
                  "build_host_program", "assign_streams", "insert_fork_join"):
         assert name in err
     assert "T1: float32[i{7}, i{6}] loop [iStream{3}, i{7}, i{2}]" in err
+
+
+@pytest.mark.parametrize("slices, pool", [(1, 4), (4, 1), (1, 1)])
+def test_a_loop_on_one_stream_stays_on_the_callers_stream(slices, pool):
+    """One slice, or pool_size=1: no worker stream, so no fork, no join, no events."""
+    program = cg.lower(ex.matmul_rows(torch.float32, slices), pool_size=pool)
+    text = str(program)
+    assert "SetCurrentStream" not in text and "Synchronize" not in text
+    assert "GetCurrentStream" not in text
+    (loop,) = [n for n in program.body if isinstance(n, hir.ForLoop)]
+    assert hir.on_caller_stream(loop, pool)
+    a, b = ints(9, 4), ints(4, 5)
+    assert torch.equal(cg.evaluate(program, [a, b])[0], a @ b)
+
+
+def test_two_slices_on_a_pool_of_two_still_fork_and_join():
+    program = cg.lower(ex.matmul_rows(torch.float32, 2), pool_size=2)
+    (loop,) = [n for n in program.body
+               if isinstance(n, hir.ForLoop) and n.parallel is cg.ParallelType.Stream]
+    assert not hir.on_caller_stream(loop, 2)
+    assert str(loop.body[0]) == "SetCurrentStream(Stream(i))"

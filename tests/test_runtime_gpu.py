@@ -217,3 +217,32 @@ def test_cublaslt_plans_and_cublas_gemmex_agree_with_torch(case, cache_dir):
                 assert torch.equal(op(*inputs), want), (case, lib, t)
     finally:
         torch.backends.cuda.matmul.allow_tf32 = tf32
+
+
+def test_one_slice_runs_on_the_callers_stream_from_many_streams(cache_dir):
+    """S = 1 runs on the caller's stream with that stream's own cuBLASLt workspace: from
+    six streams (more than the four workspaces a thread keeps; the others take
+    cublasGemmEx), each call ordered after the caller's earlier work on its stream and
+    before its later work, without a host sync in between; then captured in a graph."""
+    op = cg.compile(ex.matmul_rows(torch.float32, 1))
+    assert "SetCurrentStream" not in str(op.host_ir)
+    streams = [torch.cuda.Stream() for _ in range(6)]
+    a = [ints(2048, 512, device="cuda") for _ in streams]
+    b = ints(512, 384, device="cuda")
+    outs = []
+    for s, x in zip(streams, a):
+        with torch.cuda.stream(s):
+            torch.cuda._sleep(2_000_000)  # ~1 ms: the op must wait for what precedes it
+            x.add_(1)
+            out = op(x, b)
+            outs.append(out.sub_(0) * 1)  # later work on the same stream reads it
+    torch.cuda.synchronize()
+    for x, out in zip(a, outs):
+        assert torch.equal(out, x @ b)
+    x, out_ref = a[0], a[0] @ b
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static = op(x, b)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(static, out_ref)

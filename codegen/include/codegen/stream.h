@@ -25,14 +25,17 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <utility>
 #include <vector>
 
 #include "codegen/check.h"
 
 namespace codegen_rt {
 
-// Scratch memory of one worker stream (cuBLASLt's workspace), from PyTorch's caching
-// allocator, used only on that stream, so never by two streams at once.
+// Scratch memory of one stream (cuBLASLt's workspace), from PyTorch's caching allocator,
+// used only on that stream, so never by two streams at once. Allocated on the stream's
+// first cuBLASLt GEMM, never during graph capture (a GEMM captured on a stream with no
+// workspace yet takes cublasGemmEx).
 struct Workspace {
   torch::stable::Tensor tensor;
   void* data = nullptr;
@@ -46,7 +49,7 @@ struct Stream {
   cudaStream_t handle = nullptr;
   cudaEvent_t event = nullptr;
   int64_t worker = -1;  // index in the lease, or -1 for the caller's stream
-  Workspace* workspace = nullptr;  // a worker's own; none for the caller's stream
+  Workspace* workspace = nullptr;  // its own (Lease), or none: GEMMs then take cublasGemmEx
 };
 
 // The streams one thread uses on one device.
@@ -56,6 +59,20 @@ struct Lease {
   cudaEvent_t copy_events[2] = {nullptr, nullptr};  // CopyQueue's, by direction (lazily)
   std::vector<Stream> workers;
   std::vector<std::unique_ptr<Workspace>> workspaces;  // one per worker
+  // The caller's streams' workspaces, by stream (the GEMMs of a loop that runs on the
+  // caller's stream, or outside loops, use them). A thread that calls from more streams
+  // than kCallerWorkspaces gets none for the others: their GEMMs take cublasGemmEx.
+  static constexpr size_t kCallerWorkspaces = 4;
+  std::vector<std::pair<cudaStream_t, std::unique_ptr<Workspace>>> caller_workspaces;
+
+  Workspace* caller_workspace(cudaStream_t stream) {
+    for (auto& [handle, workspace] : caller_workspaces) {
+      if (handle == stream) return workspace.get();
+    }
+    if (caller_workspaces.size() >= kCallerWorkspaces) return nullptr;
+    caller_workspaces.emplace_back(stream, std::make_unique<Workspace>());
+    return caller_workspaces.back().second.get();
+  }
 
   // The event of the copy queue of `kind` (host to device, or device to host).
   cudaEvent_t copy_event(cudaMemcpyKind kind) {
@@ -197,7 +214,8 @@ const torch::stable::Tensor& tensor_of(const T& t) {
 class Streams {
  public:
   explicit Streams(int32_t device) : device_(device), lease_(&thread_lease(device)) {
-    caller_ = {current_stream(device, "codegen"), lease_->caller_event, -1};
+    const cudaStream_t caller = current_stream(device, "codegen");
+    caller_ = {caller, lease_->caller_event, -1, lease_->caller_workspace(caller)};
     current_ = caller_;
   }
   Streams(const Streams&) = delete;
