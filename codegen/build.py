@@ -21,6 +21,7 @@ here, not in the user's shell.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import dataclasses
 import fcntl
 import functools
@@ -308,7 +309,18 @@ def _first_error(log: str) -> str:
     return lines[-1].strip() if lines else "(no compiler output)"
 
 
-def _compile(entry: _Entry, source: str, key: str) -> float:
+def _full_torch(tools: Toolchain) -> Toolchain:
+    """``tools`` for a translation unit that includes libtorch's own (unstable) C++
+    headers: no TORCH_TARGET_VERSION, which those headers refuse, and the C++ API's
+    include folder. Such a library is tied to this torch build (the cache key has its
+    version); codegen builds one (``_no_backward``), never a program."""
+    torch_dir = Path(torch.__file__).resolve().parent
+    cflags = tuple(f for f in tools.cflags if not f.startswith("-DTORCH_TARGET_VERSION="))
+    api = f"-isystem{torch_dir / 'include' / 'torch' / 'csrc' / 'api' / 'include'}"
+    return dataclasses.replace(tools, cflags=(*cflags, api))
+
+
+def _compile(entry: _Entry, source: str, key: str, full_torch: bool = False) -> float:
     """Builds ``entry`` from ``source`` in one compiler run; returns seconds. Caller holds
     the lock."""
     # A builder killed mid-way (SIGKILL, power loss) leaves no stamp and maybe a partial
@@ -316,7 +328,7 @@ def _compile(entry: _Entry, source: str, key: str) -> float:
     for stale in (entry.stamp, entry.library):
         stale.unlink(missing_ok=True)
     start = time.perf_counter()
-    tools = toolchain()
+    tools = _full_torch(toolchain()) if full_torch else toolchain()
     with _precompiled_runtime(tools) as pch:
         _prune_precompiled(keep=pch)
         entry.source.write_text(source)
@@ -331,22 +343,24 @@ def _compile(entry: _Entry, source: str, key: str) -> float:
             # gold is faster but cannot read some toolchains' libstdc++ linker scripts
             # (seen with a GCC in /opt/gcc): link with the default linker from now on.
             _gold_failed.set()
-            tools = toolchain()
+            tools = _full_torch(toolchain()) if full_torch else toolchain()
             _run([*command, *tools.ldflags], entry.folder / "build.log", entry.name)
     partial.replace(entry.library)
     entry.stamp.write_text(f"{key} {_digest(entry.library.read_bytes())}\n")
     return time.perf_counter() - start
 
 
-def build_library(name: str, source: str | Callable[[], str], key: str | None = None) -> Path:
+def build_library(name: str, source: str | Callable[[], str], key: str | None = None, *,
+                  full_torch: bool = False) -> Path:
     """The path of a loaded library for ``source``: from the cache, or built now.
     ``source`` may be a function, called only to build; then ``key`` must name
-    everything the source depends on."""
+    everything the source depends on. ``full_torch``: built against libtorch's own C++
+    headers (``_full_torch``), not only the stable ABI."""
     if key is None:
         if callable(source):
             raise TypeError("build_library: a lazy source needs a key")
         key = source
-    full_key = _key(key)
+    full_key = _key(f"full torch\n{key}" if full_torch else key)
     with _lock:
         if name in _loaded:
             loaded_key, library = _loaded[name]
@@ -369,7 +383,8 @@ def build_library(name: str, source: str | Callable[[], str], key: str | None = 
         rebuild = os.environ.get("CODEGEN_REBUILD", "") not in ("", "0")
         with _exclusive(entry.folder):
             if rebuild or not entry.valid(full_key):
-                seconds = _compile(entry, source() if callable(source) else source, full_key)
+                seconds = _compile(entry, source() if callable(source) else source, full_key,
+                                   full_torch)
                 print(f"codegen: built {name} in {seconds:.1f} s ({entry.folder})",
                       file=sys.stderr, flush=True)
             # Loaded under the lock: a concurrent CODEGEN_REBUILD cannot swap the library
@@ -382,13 +397,64 @@ def build_library(name: str, source: str | Callable[[], str], key: str | None = 
 # ---------------------------------------------------------------------------- the op
 
 
+# torch's C++ kernel for ops without a derivative (autograd_not_implemented_fallback.h),
+# registered for one op at a time at the Autograd key. It runs the op below autograd and,
+# where an input requires grad, gives the outputs a node whose backward raises "derivative
+# for codegen::<op> is not implemented". The Python alternative
+# (torch.library.register_autograd) costs a trip through Python on every call: 20 us of
+# host time per call on the H200 machine (benchmarks/host_cost.py), more than the GEMM.
+NO_BACKWARD_SOURCE = """\
+// codegen: torch's autograd-not-implemented kernel for one codegen op at a time.
+#include <torch/csrc/autograd/autograd_not_implemented_fallback.h>
+#include <torch/library.h>
+
+#include <exception>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+// 0 when `name` (an op of the codegen namespace, without it) has the kernel now.
+extern "C" __attribute__((visibility("default"))) int codegen_register_no_backward(
+    const char* name) {
+  static std::mutex mutex;
+  static auto* fragments = new std::vector<std::unique_ptr<torch::Library>>();  // kept
+  try {
+    std::lock_guard<std::mutex> lock(mutex);
+    auto fragment = std::make_unique<torch::Library>(
+        torch::Library::IMPL, "NAMESPACE", c10::DispatchKey::Autograd, __FILE__, __LINE__);
+    fragment->impl(name, torch::autograd::autogradNotImplementedFallback());
+    fragments->push_back(std::move(fragment));
+    return 0;
+  } catch (const std::exception&) {
+    return 1;
+  }
+}
+"""
+
+
+@functools.cache
+def _no_backward() -> Callable[[bytes], int] | None:
+    """The registration function of NO_BACKWARD_SOURCE, built once per cache and torch;
+    None (with a note on stderr) where it cannot be built."""
+    try:
+        library = build_library("codegen_no_backward",
+                                NO_BACKWARD_SOURCE.replace("NAMESPACE", NAMESPACE),
+                                full_torch=True)
+    except BuildError as e:
+        print(f"codegen: ops get a Python autograd kernel instead ({e})", file=sys.stderr)
+        return None
+    register = ctypes.CDLL(str(library)).codegen_register_no_backward
+    register.argtypes, register.restype = [ctypes.c_char_p], ctypes.c_int
+    return register
+
+
 def _register_python_parts(program: hir.HostProgram, qualname: str) -> None:
     """What the C++ does not register: a fake implementation (output shapes for
     FakeTensor, meta tensors and torch.compile, after the same input checks as the
-    evaluator) and an autograd formula that says there is no backward yet. The latter
-    lets inputs that require grad (say, an nn.Parameter under inference) run forward,
-    whoever calls the op, and makes backward fail with a message instead of torch's
-    generic one."""
+    evaluator) and an autograd kernel that says there is no backward (``_no_backward``:
+    torch's C++ one; a Python formula where that cannot be built). Inputs that require
+    grad (say, an nn.Parameter under inference) run forward, whoever calls the op, and
+    backward fails with a message that names the op."""
     outputs = [program.allocations()[o] for o in program.outputs]
     n_inputs = len(program.inputs)
 
@@ -407,7 +473,9 @@ def _register_python_parts(program: hir.HostProgram, qualname: str) -> None:
             "torch.no_grad(), or with .detach()ed inputs, where gradients are not needed")
 
     torch.library.register_fake(qualname)(fake)
-    torch.library.register_autograd(qualname, backward)
+    register = _no_backward()
+    if register is None or register(qualname.split("::")[1].encode()) != 0:
+        torch.library.register_autograd(qualname, backward)
 
 
 class CompiledOp:
@@ -465,6 +533,7 @@ def build(program: hir.HostProgram, source: str | None = None) -> CompiledOp:
     else:
         library = build_library(name, source)
     compiled = CompiledOp(program, name, library, source)
+    _no_backward()  # built (once) before _lock is taken: build_library takes it too
     with _lock:
         if compiled.name not in _registered:
             _register_python_parts(program, compiled.name)

@@ -125,12 +125,16 @@ def test_2000_short_lived_threads_grow_nothing(rows_op):
     run(20)
     torch.cuda.synchronize()
     # Each new worker stream would get its own cuBLAS workspace from the caching
-    # allocator: new streams per thread would show here.
+    # allocator: new streams per thread would show here, 2000 times over. A thread gives
+    # its lease back from a thread-local destructor, which may run after join() returns;
+    # a thread that starts in that window takes a new lease (and torch a new cuBLAS
+    # handle): one seen on the H200 as 32 MiB, once. Bounded, not per thread.
+    workspace = 32 << 20  # CODEGEN_CUBLASLT_WORKSPACE_MIB's default; torch's on Hopper
     reserved, allocated = torch.cuda.memory_reserved(), torch.cuda.memory_allocated()
     run(2000)
     torch.cuda.synchronize()
-    assert torch.cuda.memory_reserved() == reserved
-    assert torch.cuda.memory_allocated() == allocated
+    assert torch.cuda.memory_reserved() - reserved <= 2 * workspace
+    assert torch.cuda.memory_allocated() - allocated <= 2 * workspace
 
 
 def test_tf32_flag_is_read_at_every_call(cache_dir):
