@@ -16,9 +16,6 @@ three times it (GEMM-bound), and S = 1, 2, 4, 8, 16, it reports per row:
   slice's copy and the last slice's GEMM stand alone), and op / floor;
 - the same op reading a column-major w (w^T stored contiguous, as nn.Linear keeps it):
   each slice is one 1-D copy instead of a 2-D one;
-- "no queue": the same op built without copy queues (``without_copy_queues``: each
-  slice's copy queued on its stream at once, as before ``order_host_copies``), to show
-  what the queues change;
 - the hand-written Python pipeline (benchmarks: PythonCopyPipeline): w pre-split once into
   contiguous pinned column blocks, each copied into its stream's staging buffer and
   multiplied on stream i % 4;
@@ -37,7 +34,6 @@ included).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
 import json
 import statistics
@@ -60,7 +56,6 @@ from interleave import ratio_fields, reps_for, rotated  # noqa: E402
 
 import codegen as cg  # noqa: E402
 from codegen import examples  # noqa: E402
-from codegen import hostir as hir  # noqa: E402
 
 K = N = 8192
 DTYPE = torch.bfloat16
@@ -127,35 +122,14 @@ def median_ratio(num: list[float], den: list[float]) -> float:
     return float(ratio_fields("r", num, den)["r"])  # type: ignore[arg-type]
 
 
-_ops: dict[tuple[int, bool], cg.CompiledOp] = {}
+_ops: dict[int, cg.CompiledOp] = {}
 
 
-def without_copy_queues(program: hir.HostProgram) -> hir.HostProgram:
-    """``program`` as it was before ``order_host_copies``: each slice's copy queued on its
-    stream as soon as the stream gets it, copies of several streams at once."""
-
-    def strip(nodes: list[hir.Node]) -> list[hir.Node]:
-        out: list[hir.Node] = []
-        for n in nodes:
-            if isinstance(n, hir.CopyQueue):
-                continue
-            if isinstance(n, hir.ForLoop):
-                n = dataclasses.replace(n, body=strip(n.body))
-            elif isinstance(n, hir.Copy):
-                n = dataclasses.replace(n, queue=None)
-            out.append(n)
-        return out
-
-    return program.replace(body=strip(program.body))
-
-
-def op_for(slices: int, queued: bool = True) -> cg.CompiledOp:
-    """One program per S (extents are symbolic): the tests' stream_weights programs;
-    ``queued=False``: the same without copy queues (``without_copy_queues``)."""
-    if (slices, queued) not in _ops:
-        program = cg.lower(examples.stream_weights(DTYPE, slices), pool_size=POOL)
-        _ops[slices, queued] = cg.build(program if queued else without_copy_queues(program))
-    return _ops[slices, queued]
+def op_for(slices: int) -> cg.CompiledOp:
+    """One program per S (extents are symbolic): the tests' stream_weights programs."""
+    if slices not in _ops:
+        _ops[slices] = cg.compile(examples.stream_weights(DTYPE, slices), pool_size=POOL)
+    return _ops[slices]
 
 
 def tune_m(w_host: torch.Tensor, w_dev: torch.Tensor) -> tuple[int, float, float]:
@@ -187,12 +161,11 @@ def measure_shape(label: str, m: int, w_host: torch.Tensor, w_host_t: torch.Tens
     }
     errors: dict[str, float] = {}
     for s in SLICES:
-        op, unqueued, pipeline = op_for(s), op_for(s, queued=False), pipelines[s]
+        op, pipeline = op_for(s), pipelines[s]
         variants[f"op/s{s}"] = lambda op=op: op(x, w_host)
         variants[f"op_col/s{s}"] = lambda op=op: op(x, w_col)
-        variants[f"op_unqueued/s{s}"] = lambda op=unqueued: op(x, w_host)
         variants[f"python/s{s}"] = lambda p=pipeline: p(x)
-        for v in ("op", "op_col", "op_unqueued", "python"):
+        for v in ("op", "op_col", "python"):
             y = variants[f"{v}/s{s}"]().float()
             errors[f"{v}/s{s}"] = ((y - ref).norm() / ref.norm()).item()
     del ref
@@ -220,8 +193,6 @@ def measure_shape(label: str, m: int, w_host: torch.Tensor, w_host_t: torch.Tens
             "floor_ratio": floor,
             "op_floor_ratio": median_ratio(t[f"op/s{s}"], bound) / floor,
             "op_col_ratio": median_ratio(t[f"op_col/s{s}"], bound),
-            "op_unqueued_ms": med(t[f"op_unqueued/s{s}"]),
-            "op_unqueued_ratio": median_ratio(t[f"op_unqueued/s{s}"], bound),
             "python_ratio": median_ratio(t[f"python/s{s}"], bound),
             "op_python_ratio": median_ratio(t[f"op/s{s}"], t[f"python/s{s}"]),
             "copy_then_gemm_ratio": median_ratio(t["copy_then_gemm"], bound),
@@ -277,8 +248,7 @@ def nvtx_range_ns() -> float | None:
 
 def table(rows: list[dict[str, Any]]) -> str:
     head = (f"{'shape':>10} {'m':>6} {'S':>3} {'copy ms':>8} {'GEMM ms':>8} {'op ms':>8} "
-            f"{'op/max':>7} {'floor':>6} {'op/floor':>8} {'op(w^T)':>8} {'no queue':>8} "
-            f"{'python':>7} "
+            f"{'op/max':>7} {'floor':>6} {'op/floor':>8} {'op(w^T)':>8} {'python':>7} "
             f"{'copy+GEMM':>9} {'host us':>8}")
     lines = [head, "-" * len(head)]
     for r in rows:
@@ -286,7 +256,6 @@ def table(rows: list[dict[str, Any]]) -> str:
             f"{r['shape']:>10} {r['m']:>6} {r['slices']:>3} {r['copy_ms']:8.3f} "
             f"{r['gemm_ms']:8.3f} {r['op_ms']:8.3f} {r['op_ratio']:7.3f} "
             f"{r['floor_ratio']:6.3f} {r['op_floor_ratio']:8.3f} {r['op_col_ratio']:8.3f} "
-            f"{r['op_unqueued_ratio']:8.3f} "
             f"{r['python_ratio']:7.3f} {r['copy_then_gemm_ratio']:9.3f} "
             f"{r['op_host_us']:8.1f}")
     lines.append("ratios: time / max(copy alone, GEMM alone), median of per-round ratios; "
@@ -309,7 +278,6 @@ def main() -> int:
     start = time.perf_counter()
     for s in SLICES:
         op_for(s)
-        op_for(s, queued=False)
     build_s = time.perf_counter() - start
     w_host = torch.randn(K, N, dtype=DTYPE).pin_memory()
     w_host_t = w_host.t().contiguous().pin_memory()

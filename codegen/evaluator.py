@@ -178,29 +178,6 @@ class _Streams:
         self.log.append(("wait", self.current, key))
 
 
-class _CopyQueue:
-    """A ``CopyQueue``: each copy's stream waits for the previous copy (an event) where
-    the streams differ; the log records the waits, on the CPU too."""
-
-    def __init__(self, streams: _Streams) -> None:
-        self.streams = streams
-        self.event = torch.cuda.Event() if streams.cuda else None
-        self.copied = False  # whether a copy was queued yet
-        self.last: int | None = None  # the stream key of the last copy
-
-    def before_copy(self) -> None:
-        current = self.streams.current
-        if self.copied and self.last != current:
-            if self.event is not None:
-                self.streams.stream(current).wait_event(self.event)
-            self.streams.log.append(("wait copy", current, self.last))
-
-    def after_copy(self) -> None:
-        if self.event is not None:
-            self.event.record(self.streams.stream(self.streams.current))
-        self.copied, self.last = True, self.streams.current
-
-
 class _Interpreter(distributed.CommunicationEvaluator):
     def __init__(self, program: hir.HostProgram, env: dict[str, int],
                  values: dict[str, torch.Tensor], streams: _Streams) -> None:
@@ -211,7 +188,6 @@ class _Interpreter(distributed.CommunicationEvaluator):
         self.indices: dict[str, int] = {}
         self.stream_names: dict[str, int | None] = {}  # values of GetCurrentStream
         self.group: object | None = None  # the process group of Communication nodes
-        self.queues: dict[str, _CopyQueue] = {}  # values of CopyQueue
 
     def stream_key(self, ref: hir.StreamRef) -> int | None:
         if isinstance(ref, str):
@@ -269,16 +245,8 @@ class _Interpreter(distributed.CommunicationEvaluator):
         slot = self.values[n.stage][n.slot.position(self.indices)]
         self.values[n.out] = slot.view(-1)[: like.numel()].view(like.shape)
 
-    def CopyQueue(self, n: hir.CopyQueue) -> None:
-        self.queues[n.out] = _CopyQueue(self.streams)
-
     def Copy(self, n: hir.Copy) -> None:
-        queue = self.queues[n.queue] if n.queue else None
-        if queue:
-            queue.before_copy()
         self.values[n.out].copy_(self.values[n.src], non_blocking=True)
-        if queue:
-            queue.after_copy()
 
     def StreamSynchronize(self, n: hir.StreamSynchronize) -> None:
         if self.streams.cuda:

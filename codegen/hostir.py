@@ -226,44 +226,16 @@ class Copy(Node):
 
     src: str
     out: str
-    queue: str | None = None  # a CopyQueue: waits for the copy queued before it there
     tensor_fields: ClassVar[tuple[str, ...]] = ("src", "out")
 
     def uses(self) -> list[str]:
-        return [self.src, self.out, *([self.queue] if self.queue else [])]
+        return [self.src, self.out]
 
     def writes(self) -> list[str]:
         return [self.out]
 
     def __str__(self) -> str:
-        queue = f", queue={self.queue}" if self.queue else ""
-        return f"Copy({self.src}, out={self.out}{queue})"
-
-
-# The directions of a host copy, as CopyQueue prints them, and their queues' names.
-COPY_DIRECTIONS = {("cpu", "cuda"): "HostToDevice", ("cuda", "cpu"): "DeviceToHost"}
-_QUEUE_NAMES = {"HostToDevice": "h2d", "DeviceToHost": "d2h"}
-
-
-@dataclasses.dataclass(eq=False)
-class CopyQueue(Node):
-    """``out`` = an order for the host copies of one ``direction`` ("HostToDevice" or
-    "DeviceToHost"): each ``Copy(..., queue=out)`` starts after the one queued before it
-    has finished, whichever streams the two are on (one event, recorded after each copy
-    and waited on by the next copy's stream where it differs). Host copies are bound by
-    one link per direction; issued from several streams at once they share it and end
-    together, so no slice's GEMM can start before all of them are in (``order_host_copies``
-    says what was measured). In a queue slice i's copy ends first, its GEMM runs under
-    slice i + 1's copy, and the GPU sees the copies in the program's order."""
-
-    out: str
-    direction: str
-
-    def defines(self) -> list[str]:
-        return [self.out]
-
-    def __str__(self) -> str:
-        return f"{self.out} = CopyQueue({self.direction})"
+        return f"Copy({self.src}, out={self.out})"
 
 
 @dataclasses.dataclass(eq=False)
@@ -754,67 +726,11 @@ def synchronize_host_outputs(program: HostProgram) -> HostProgram:
     return program.replace(body=[*body, StreamSynchronize(MAIN_STREAM)])
 
 
-def residency(program: HostProgram) -> dict[str, str]:
-    """Where each tensor value lives ("cuda" or "cpu"): inputs and allocations as
-    declared, a staging slot on the GPU, any other view (a slice, an unflattened block)
-    where the tensor it views is."""
-    where = {t.name: t.device for t in program.inputs}
-    for n in program.nodes():
-        if isinstance(n, Allocate):
-            where[n.out.name] = n.out.device
-            continue
-        viewed = getattr(n, "stage", None) or getattr(n, "tensor", None)
-        for d in n.defines():
-            where[d] = where.get(viewed, "cuda") if isinstance(viewed, str) else "cuda"
-    return where
-
-
-def order_host_copies(program: HostProgram) -> HostProgram:
-    """Puts the host copies of each direction in one queue, in program order.
-
-    Before:  for i in range(0, 8) [Stream]:
-               SetCurrentStream(Stream(i % 4)); ...; Copy(T1_i, out=T1_s); Matmul(...)
-    After:   h2d = CopyQueue(HostToDevice)        (after main_stream, if any)
-             for i in range(0, 8) [Stream]:
-               SetCurrentStream(Stream(i % 4)); ...; Copy(T1_i, out=T1_s, queue=h2d); ...
-    Without it, the first copies of a loop (one per worker stream) are queued at once
-    and share the host link: on the H200 the 2-D copies of column blocks then ended
-    together, every GEMM waited for all of them, and copies and GEMMs took turns instead
-    of overlapping (benchmarks/copy_trace.py; README, P4). Each copy in a queue waits for
-    the previous one (``CopyQueue``), so the copies run back to back in slice order and
-    slice i's GEMM overlaps slice i + 1's copy.
-    """
-    where = residency(program)
-    used: dict[str, str] = {}  # direction -> queue name, in order of first use
-    fresh = _FreshNames(program)
-
-    def queue(n: Node) -> Node:
-        if isinstance(n, ForLoop):
-            return dataclasses.replace(n, body=[queue(c) for c in n.body])
-        if not isinstance(n, Copy):
-            return n
-        direction = COPY_DIRECTIONS.get((where[n.src], where[n.out]))
-        if direction is None:
-            raise InternalError(f"{n}: a copy from {where[n.src]} to {where[n.out]}; only "
-                                f"host <-> GPU copies exist\n{program}")
-        if direction not in used:
-            used[direction] = fresh(_QUEUE_NAMES[direction])
-        return dataclasses.replace(n, queue=used[direction])
-
-    body = [queue(n) for n in program.body]
-    if not used:
-        return program
-    at = 1 if body and isinstance(body[0], GetCurrentStream) else 0
-    queues: list[Node] = [CopyQueue(name, d) for d, name in used.items()]
-    return program.replace(body=[*body[:at], *queues, *body[at:]])
-
-
 HOSTIR_PASSES: tuple[HostPass, ...] = (
     remove_dead_code,
     stage_host_tensors,
     assign_streams,
     insert_fork_join,
-    order_host_copies,
     synchronize_host_outputs,
 )
 

@@ -243,6 +243,26 @@ def _stream(ref: hir.StreamRef) -> str:
     return ref if isinstance(ref, str) else f"streams.worker({ref.position_str()})"
 
 
+def _devices(program: hir.HostProgram) -> dict[str, str]:
+    """Where each tensor value lives ("cuda" or "cpu"): inputs and allocations as
+    declared, a staging slot on the GPU, any other view (a slice, an unflattened block)
+    where the tensor it views is."""
+    where = {t.name: t.device for t in program.inputs}
+    for n in program.nodes():
+        if isinstance(n, hir.Allocate):
+            where[n.out.name] = n.out.device
+            continue
+        viewed = getattr(n, "stage", None) or getattr(n, "tensor", None)
+        for d in n.defines():
+            where[d] = where.get(viewed, "cuda") if isinstance(viewed, str) else "cuda"
+    return where
+
+
+# (source, destination) residency -> the cudaMemcpyKind of a Copy.
+_COPY_KINDS = {("cpu", "cuda"): "cudaMemcpyHostToDevice",
+               ("cuda", "cpu"): "cudaMemcpyDeviceToHost"}
+
+
 class _Statements:
     """Flattens the host program into statements with indentation and node fields.
 
@@ -254,7 +274,7 @@ class _Statements:
     def __init__(self, program: hir.HostProgram, names: _Names) -> None:
         self.program, self.names = program, names
         self.allocations = program.allocations()
-        self.devices = hir.residency(program)
+        self.devices = _devices(program)
         self.stages = {n.stage for n in program.nodes() if isinstance(n, hir.StagingSlot)}
         # A GPU tensor that receives a host input whole takes that input's memory order.
         self.copied_whole = {n.out: n.src for n in program.nodes()
@@ -307,15 +327,11 @@ class _Statements:
 
     def Copy(self, n: hir.Copy) -> dict[str, Any]:
         route = (self.devices[n.src], self.devices[n.out])
-        if route not in hir.COPY_DIRECTIONS:
+        if route not in _COPY_KINDS:
             raise InternalError(f"{n}: a copy from {route[0]} to {route[1]} has no C++ "
                                 f"(only host <-> GPU)\n{self.program}")
         return {"out": self.names(n.out), "src": self.names(n.src),
-                "copy_kind": f"cudaMemcpy{hir.COPY_DIRECTIONS[route]}", "range": self.range(n),
-                "queue": self.names(n.queue) if n.queue else None}
-
-    def CopyQueue(self, n: hir.CopyQueue) -> dict[str, Any]:
-        return {"out": self.names(n.out), "direction": f"cudaMemcpy{n.direction}"}
+                "copy_kind": _COPY_KINDS[route], "range": self.range(n)}
 
     def StreamSynchronize(self, n: hir.StreamSynchronize) -> dict[str, Any]:
         return {"stream": _stream(n.stream), "range": self.range(n)}

@@ -1,7 +1,6 @@
 """Host-resident inputs and outputs (issue 10): the definition, the staged host IR, and
 the evaluator's per-slice copies on the CPU (exact against torch on integer values)."""
 
-import dataclasses
 import os
 import shutil
 import subprocess
@@ -24,7 +23,6 @@ Stream = cg.ParallelType.Stream
 STREAM_WEIGHTS_8 = """\
 HostProgram stream_weights(T0: float32[m, k], T1: float32[k, n] device=cpu) -> (T2):
   main_stream = GetCurrentStream()
-  h2d = CopyQueue(HostToDevice)
   T2 = Allocate(float32[m, n])
   T1_stage = Allocate(float32[4, k, ceilDiv(n, 8)])
   for j in range(0, 4):
@@ -34,7 +32,7 @@ HostProgram stream_weights(T0: float32[m, k], T1: float32[k, n] device=cpu) -> (
     SetCurrentStream(Stream(i % 4))
     T1_i = ShardByStream(T1, axis=1, index=i, chunk=ceilDiv(n, 8))
     T1_s = StagingSlot(T1_stage, slot=i % 4, like=T1_i)
-    Copy(T1_i, out=T1_s, queue=h2d)
+    Copy(T1_i, out=T1_s)
     T2_i = ShardByStream(T2, axis=1, index=i, chunk=ceilDiv(n, 8))
     Matmul(T0, T1_s, out=T2_i)
   SetCurrentStream(main_stream)
@@ -46,8 +44,6 @@ HostProgram stream_weights(T0: float32[m, k], T1: float32[k, n] device=cpu) -> (
 OFFLOAD_ACTIVATIONS_3 = """\
 HostProgram offload_activations(T0: float32[m, k] device=cpu, T1: float32[k, n]) -> (T2):
   main_stream = GetCurrentStream()
-  h2d = CopyQueue(HostToDevice)
-  d2h = CopyQueue(DeviceToHost)
   T2 = Allocate(float32[m, n], device=cpu, pinned=True)
   T0_stage = Allocate(float32[3, ceilDiv(m, 3), k])
   T2_stage = Allocate(float32[3, ceilDiv(m, 3), n])
@@ -58,11 +54,11 @@ HostProgram offload_activations(T0: float32[m, k] device=cpu, T1: float32[k, n])
     SetCurrentStream(Stream(i))
     T0_i = ShardByStream(T0, axis=0, index=i, chunk=ceilDiv(m, 3))
     T0_s = StagingSlot(T0_stage, slot=i, like=T0_i)
-    Copy(T0_i, out=T0_s, queue=h2d)
+    Copy(T0_i, out=T0_s)
     T2_i = ShardByStream(T2, axis=0, index=i, chunk=ceilDiv(m, 3))
     T2_s = StagingSlot(T2_stage, slot=i, like=T2_i)
     Matmul(T0_s, T1, out=T2_s)
-    Copy(T2_s, out=T2_i, queue=d2h)
+    Copy(T2_s, out=T2_i)
   SetCurrentStream(main_stream)
   for j in range(0, 3):
     Synchronize(Stream(j))
@@ -230,7 +226,7 @@ def test_host_operand_read_whole_is_copied_once_before_the_loop(monkeypatch):
     body = program.body
     (loop,) = stream_loops(program)
     top = [str(n) for n in body]
-    assert top.index("Copy(T0, out=T0_dev, queue=h2d)") < body.index(loop)
+    assert top.index("Copy(T0, out=T0_dev)") < body.index(loop)
     assert "T0_dev = Allocate(float32[m, k])" in top and "Deallocate(T0_dev)" in top
     assert "Matmul(T0_dev, T1_s, out=T2_i)" in [str(n) for n in loop.body]
     x, w = ints(4, 6), ints(6, 8)
@@ -260,9 +256,8 @@ def test_host_output_read_by_a_later_loop_is_whole_on_the_gpu():
     assert "T3_dev = Allocate(float32[m, n])" in top
     assert "T3 = Allocate(float32[m, n], device=cpu, pinned=True)" in top
     first, second = stream_loops(program)
-    assert top.index("Copy(T3_dev, out=T3, queue=d2h)") > program.body.index(first)
-    # w2 read whole
-    assert top.index("Copy(T2, out=T2_dev, queue=h2d)") < program.body.index(second)
+    assert top.index("Copy(T3_dev, out=T3)") > program.body.index(first)
+    assert top.index("Copy(T2, out=T2_dev)") < program.body.index(second)  # w2 read whole
     assert top[-1] == "StreamSynchronize(main_stream)"
     xs = [ints(10, 4), ints(4, 5), ints(5, 6)]
     t1_out, t2_out = cg.evaluate(program, xs)
@@ -284,11 +279,11 @@ def test_inlined_consumer_reads_the_host_output_slot():
     program = cg.lower(fusion)
     (loop,) = stream_loops(program)
     assert [str(n) for n in loop.body if isinstance(n, (hir.Matmul, hir.Copy))] == [
-        "Copy(T0_i, out=T0_s, queue=h2d)",
+        "Copy(T0_i, out=T0_s)",
         "Matmul(T0_s, T1, out=T3_s)",
-        "Copy(T3_s, out=T3_i, queue=d2h)",
+        "Copy(T3_s, out=T3_i)",
         "Matmul(T3_s, T2, out=T4_s)",
-        "Copy(T4_s, out=T4_i, queue=d2h)",
+        "Copy(T4_s, out=T4_i)",
     ]
     xs = [ints(10, 4), ints(4, 5), ints(5, 6)]
     t1_out, t2_out = cg.evaluate(program, xs)
@@ -303,14 +298,12 @@ def test_host_output_without_a_stream_loop():
     program = cg.lower(fusion)
     assert [str(n) for n in program.body] == [
         "main_stream = GetCurrentStream()",
-        "h2d = CopyQueue(HostToDevice)",
-        "d2h = CopyQueue(DeviceToHost)",
         "T3_dev = Allocate(float32[m, n])",
         "T3 = Allocate(float32[m, n], device=cpu, pinned=True)",
         "T0_dev = Allocate(float32[m, k])",
-        "Copy(T0, out=T0_dev, queue=h2d)",
+        "Copy(T0, out=T0_dev)",
         "Linear(T0_dev, T1, T2, out=T3_dev)",
-        "Copy(T3_dev, out=T3, queue=d2h)",
+        "Copy(T3_dev, out=T3)",
         "Deallocate(T3_dev)",
         "Deallocate(T0_dev)",
         "StreamSynchronize(main_stream)",
@@ -504,10 +497,8 @@ def test_stream_weights_cpp():
     assert ("rt::Staging T1_stage = streams.keep(rt::staging({4, k, rt::ceil_div(n, 8)}, "
             "rt::DType::Float32, device, op));  // one slot per worker stream") in lines
     assert "const rt::View T1_s = rt::slot(T1_stage, i % 4, T1_i);" in lines
-    assert 'const rt::Range range(op, "i", i, "Copy(T1_i, out=T1_s, queue=h2d)");' in lines
-    assert ("rt::CopyQueue h2d(streams.copy_event(cudaMemcpyHostToDevice));  // copies of one "
-            "direction, one at a time") in lines
-    assert "h2d.copy(T1_s, T1_i, cudaMemcpyHostToDevice, streams.current(), op);" in lines
+    assert 'const rt::Range range(op, "i", i, "Copy(T1_i, out=T1_s)");' in lines
+    assert "rt::copy(T1_s, T1_i, cudaMemcpyHostToDevice, streams.current(), op);" in lines
     assert 'const rt::Range range(op, "i", i, "Matmul(T0, T1_s, out=T2_i)");' in lines
     assert "rt::synchronize" not in source  # GPU output: no host wait
     # The pinned inputs are kept by an object declared before the call's streams (so it
@@ -520,8 +511,8 @@ def test_offload_activations_cpp():
     lines = [line.strip() for line in source.splitlines()]
     assert "rt::Buffer T2 = rt::empty_pinned({m, n}, rt::DType::Float32, device, op);" in lines
     assert "host_tensors.keep(T2);" in lines
-    assert "h2d.copy(T0_s, T0_i, cudaMemcpyHostToDevice, streams.current(), op);" in lines
-    assert "d2h.copy(T2_i, T2_s, cudaMemcpyDeviceToHost, streams.current(), op);" in lines
+    assert "rt::copy(T0_s, T0_i, cudaMemcpyHostToDevice, streams.current(), op);" in lines
+    assert "rt::copy(T2_i, T2_s, cudaMemcpyDeviceToHost, streams.current(), op);" in lines
     assert "rt::synchronize(main_stream, op);  // host outputs are complete when the op " \
            "returns" in lines
     assert 'const rt::Range range(op, "StreamSynchronize(main_stream)");' in lines
@@ -552,8 +543,7 @@ def test_all_host_inputs_run_on_the_current_device_in_cpp():
     # x is read whole: its GPU copy takes its memory order (memcpy cannot transpose).
     assert ("rt::Buffer T0_dev = streams.keep(rt::empty_like(T0, rt::DType::Float32, device, "
             "op));  // in T0's memory order") in source
-    assert 'const rt::Range range(op, "Copy(T0, out=T0_dev, queue=h2d)");' in source
-    assert "h2d.copy(T0_dev, T0, cudaMemcpyHostToDevice, streams.current(), op);" in source
+    assert 'const rt::Range range(op, "Copy(T0, out=T0_dev)");' in source
 
 
 def test_a_pageable_host_allocation_has_no_cpp():
@@ -700,25 +690,10 @@ def test_bench_copy_table_and_ratios():
     assert bench_copy.median_ratio([2.0, 3.0, 10.0], [1.0, 1.0, 1.0]) == 3.0
     row = {"shape": "balanced", "m": 13312, "slices": 8, "copy_ms": 2.4, "gemm_ms": 2.3,
            "op_ms": 2.8, "op_ratio": 1.17, "floor_ratio": 1.125, "op_floor_ratio": 1.04,
-           "op_col_ratio": 1.15, "op_unqueued_ratio": 1.31, "python_ratio": 1.2,
-           "copy_then_gemm_ratio": 1.96, "op_host_us": 120.0}
+           "op_col_ratio": 1.15, "python_ratio": 1.2, "copy_then_gemm_ratio": 1.96,
+           "op_host_us": 120.0}
     text = bench_copy.table([row])
     assert "balanced  13312   8" in text and "1.170  1.125" in text
-    assert "no queue" in text and "1.150    1.310" in text
-
-
-def test_bench_copy_builds_the_op_without_copy_queues():
-    import sys
-
-    sys.path.insert(0, str(TESTS.parent / "benchmarks"))
-    import bench_copy
-
-    program = cg.lower(ex.stream_weights(torch.float32, 8))
-    plain = bench_copy.without_copy_queues(program)
-    assert "CopyQueue" not in str(plain) and "queue=" not in str(plain)
-    assert str(plain).count("Copy(T1_i, out=T1_s)") == 1
-    x, w = ints(6, 5), ints(5, 13)
-    assert torch.equal(cg.evaluate(plain, [x, w])[0], x @ w)
 
 
 WARN_PROBE = """
@@ -781,71 +756,3 @@ def test_fake_impl_puts_outputs_where_the_op_does(cache_dir):
     assert out.shape == (6, 3) and out.device.type == "cuda"  # not x's device
     out = op(torch.empty(6, 4), torch.empty(4, 3, device="meta"))
     assert out.shape == (6, 3) and out.device.type == "meta"
-
-
-# ---------------------------------------------------------------------------- copy queues
-
-
-def evaluator_stream_log(monkeypatch, program, inputs):
-    """The evaluator's stream log (``_Streams.log``) of one run of ``program``."""
-    from codegen import evaluator
-
-    seen = []
-    monkeypatch.setattr(evaluator, "_fault_hook", lambda interp, node: seen.append(interp))
-    outputs = cg.evaluate(program, inputs)
-    return seen[0].streams.log, outputs
-
-
-@pytest.mark.parametrize("slices, pool", [(8, 4), (3, 4), (5, 2)])
-def test_each_host_copy_waits_for_the_previous_one_on_another_stream(monkeypatch, slices,
-                                                                     pool):
-    program = cg.lower(ex.stream_weights(torch.float32, slices), pool_size=pool)
-    copies = [n for n in program.nodes() if isinstance(n, hir.Copy)]
-    assert [n.queue for n in copies] == ["h2d"]
-    x, w = ints(6, 5), ints(5, 13)
-    log, (out,) = evaluator_stream_log(monkeypatch, program, [x, w])
-    assert torch.equal(out, x @ w)
-    streams = min(slices, pool)
-    # Copy i (on stream i % pool) waits for copy i - 1 (on stream (i - 1) % pool).
-    assert [e for e in log if e[0] == "wait copy"] == [
-        ("wait copy", i % streams, (i - 1) % streams) for i in range(1, slices)]
-
-
-def test_one_worker_stream_needs_no_copy_waits(monkeypatch):
-    program = cg.lower(ex.stream_weights(torch.float32, 4), pool_size=1)
-    log, _ = evaluator_stream_log(monkeypatch, program, [ints(6, 5), ints(5, 8)])
-    assert not [e for e in log if e[0] == "wait copy"]
-
-
-def test_copies_of_each_direction_share_one_queue_across_loops(monkeypatch):
-    """Two loops, a host input read whole and host outputs: one queue per direction,
-    every copy in it, in program order."""
-    with cg.Fusion("two_loops_host") as fusion:
-        x = cg.input(["m", "k"], device="cpu")
-        t3 = cg.matmul(x, cg.input(["k", "n"]))
-        t4 = cg.matmul(t3, cg.input(["n", "p"], device="cpu"))
-        cg.output(t3, device="cpu")
-        cg.output(t4, device="cpu")
-    t3.outer_split(0, 2)
-    t3.axis(0).parallelize(Stream)
-    t4.outer_split(0, 3)
-    t4.axis(0).parallelize(Stream)
-    program = cg.lower(fusion)
-    queues = [str(n) for n in program.body if isinstance(n, hir.CopyQueue)]
-    assert queues == ["h2d = CopyQueue(HostToDevice)", "d2h = CopyQueue(DeviceToHost)"]
-    where = hir.residency(program)
-    for n in program.nodes():
-        if isinstance(n, hir.Copy):
-            assert n.queue == ("h2d" if where[n.src] == "cpu" else "d2h"), n
-    xs = [ints(7, 4), ints(4, 5), ints(5, 3)]
-    log, (o3, o4) = evaluator_stream_log(monkeypatch, program, xs)
-    assert torch.equal(o3, xs[0] @ xs[1]) and torch.equal(o4, xs[0] @ xs[1] @ xs[2])
-    assert [e for e in log if e[0] == "wait copy"]
-
-
-def test_copy_queue_names_avoid_tensor_names():
-    program = cg.lower(ex.stream_weights(torch.float32, 4))
-    renamed = hir.order_host_copies(program.replace(
-        body=[n for n in program.body if not isinstance(n, hir.CopyQueue)],
-        inputs=[dataclasses.replace(program.inputs[0], name="h2d"), *program.inputs[1:]]))
-    assert "h2d2 = CopyQueue(HostToDevice)" in str(renamed)

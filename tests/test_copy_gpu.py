@@ -370,40 +370,6 @@ def test_profiler_shows_a_host_copy_under_a_gemm():
     assert o.measured > 0.3, o
 
 
-def copies_in_slice_order(events, kind, slices, streams):
-    """The ``kind`` copies of one call ran one at a time, on streams 0, 1, ... in turn."""
-    copies = [e for e in events if e.kind == kind]
-    assert len(copies) == slices, [(e.kind, e.name) for e in events]
-    order = {s: k for k, s in enumerate(dict.fromkeys(e.stream for e in copies))}
-    assert [order[e.stream] for e in copies] == [i % streams for i in range(slices)]
-    for before, after in zip(copies, copies[1:]):
-        assert after.start_us >= before.end_us - 1.0, (before, after)  # 1 us: trace rounding
-
-
-@pytest.mark.parametrize("path", ["op", "evaluator"])
-def test_host_copies_run_one_at_a_time_in_slice_order(path):
-    """CopyQueue: the 2-D copies of 8 column blocks of a row-major w (4 streams) and, for
-    offload_activations, the row blocks in and the results out, each direction in turn."""
-    from codegen.timeline import profile_gpu
-
-    m, k, n = 4096, 4096, 8192
-    x = torch.randn(m, k, device=CUDA, dtype=torch.bfloat16)
-    w = torch.randn(k, n, dtype=torch.bfloat16).pin_memory()
-    program = cg.lower(ex.stream_weights(torch.bfloat16, 8))
-    run = op_of(ex.stream_weights, torch.bfloat16, 8) if path == "op" else \
-        (lambda x, w: cg.evaluate(program, [x, w]))
-    copies_in_slice_order(profile_gpu(lambda: run(x, w)), "HtoD", 8, 4)
-
-    xh = torch.randn(m, k, dtype=torch.bfloat16).pin_memory()
-    wd = torch.randn(k, 2048, device=CUDA, dtype=torch.bfloat16)
-    program = cg.lower(ex.offload_activations(torch.bfloat16, 6))
-    run = op_of(ex.offload_activations, torch.bfloat16, 6) if path == "op" else \
-        (lambda x, w: cg.evaluate(program, [x, w]))
-    events = profile_gpu(lambda: run(xh, wd))
-    copies_in_slice_order(events, "HtoD", 6, 4)
-    copies_in_slice_order(events, "DtoH", 6, 4)
-
-
 def test_cuda_graph_capture_with_pinned_inputs():
     op = op_of(ex.stream_weights, torch.float32, 4)
     x = ints(300, 64, device=CUDA)

@@ -139,32 +139,6 @@ inline void copy(const View& dst, const View& src, cudaMemcpyKind kind, const St
   }
 }
 
-// The host copies of one direction, one at a time in program order (CopyQueue in the
-// host IR, where the reason is): each copy's stream first waits for the previous copy,
-// unless it is the same stream (already ordered), and the event is recorded again after
-// each copy. One event per queue suffices: a wait takes the record queued before it, so
-// re-recording it afterwards is safe. The first copy of a call waits for nothing (the
-// event may hold an earlier call's record). Thread-safe as the event is the thread's
-// own (its Lease); graph capture records the waits as edges between the copy nodes.
-class CopyQueue {
- public:
-  explicit CopyQueue(cudaEvent_t event) : event_(event) {}
-
-  void copy(const View& dst, const View& src, cudaMemcpyKind kind, const Stream& stream,
-            const char* op) {
-    if (last_ != nullptr && last_ != stream.handle) {
-      check_cuda(cudaStreamWaitEvent(stream.handle, event_, 0), op, "cudaStreamWaitEvent");
-    }
-    codegen_rt::copy(dst, src, kind, stream, op);
-    check_cuda(cudaEventRecord(event_, stream.handle), op, "cudaEventRecord");
-    last_ = stream.handle;
-  }
-
- private:
-  cudaEvent_t event_;
-  cudaStream_t last_ = nullptr;  // the stream of the last copy queued, none yet
-};
-
 // A new dense GPU tensor with the sizes and memory order of host tensor `like`: the GPU
 // copy of a host input read whole.
 inline Buffer empty_like(const View& like, DType dtype, int32_t device, const char* op) {

@@ -56,7 +56,6 @@ struct Stream {
 struct Lease {
   int32_t device = 0;
   cudaEvent_t caller_event = nullptr;
-  cudaEvent_t copy_events[2] = {nullptr, nullptr};  // CopyQueue's, by direction (lazily)
   std::vector<Stream> workers;
   std::vector<std::unique_ptr<Workspace>> workspaces;  // one per worker
   // The caller's streams' workspaces, by stream (the GEMMs of a loop that runs on the
@@ -72,16 +71,6 @@ struct Lease {
     if (caller_workspaces.size() >= kCallerWorkspaces) return nullptr;
     caller_workspaces.emplace_back(stream, std::make_unique<Workspace>());
     return caller_workspaces.back().second.get();
-  }
-
-  // The event of the copy queue of `kind` (host to device, or device to host).
-  cudaEvent_t copy_event(cudaMemcpyKind kind) {
-    cudaEvent_t& e = copy_events[kind == cudaMemcpyHostToDevice ? 0 : 1];
-    if (e == nullptr) {
-      check_cuda(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "codegen",
-                 "creating an event");
-    }
-    return e;
   }
 
   Stream& worker(int64_t k) {
@@ -245,7 +234,6 @@ class Streams {
     return t;
   }
 
-  cudaEvent_t copy_event(cudaMemcpyKind kind) { return lease_->copy_event(kind); }
   const Stream& caller() const { return caller_; }
   const Stream& current() const { return current_; }
   Stream worker(int64_t k) { return lease_->worker(k); }
