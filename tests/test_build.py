@@ -122,11 +122,12 @@ def test_rebuild_env_forces_a_build(ops, cache_dir):
 def test_corrupt_library_is_detected_and_rebuilt(tmp_path):
     first = _run(LOAD_STREAM_MATMUL, tmp_path)
     assert first.returncode == 0 and "codegen: built" in first.stderr, first.stderr
-    (library,) = tmp_path.glob("*/*.so")
+    (library,) = tmp_path.glob("stream_matmul_n*/*.so")
     library.write_bytes(library.read_bytes()[:1000])  # truncated, as by a full disk
     second = _run(LOAD_STREAM_MATMUL, tmp_path)
     assert second.returncode == 0, second.stderr
-    assert "codegen: built" in second.stderr and "torch.Size([5, 6])" in second.stdout
+    assert "codegen: built stream_matmul_n" in second.stderr
+    assert "torch.Size([5, 6])" in second.stdout
 
 
 def test_compile_error_names_the_first_error_and_the_log(cache_dir):
