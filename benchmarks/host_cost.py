@@ -16,7 +16,8 @@ variants interleaved sample by sample, medians over --samples:
   (``op.op.default(a, b)``; the difference is the Python wrapper);
 - ``inference: ...``: ``torch.matmul`` and the op at S = 1 under
   ``torch.inference_mode()``, where the dispatcher skips autograd kernels (the op's is
-  Python: ``torch.library.register_autograd``, which makes backward fail with a message);
+  torch's C++ autogradNotImplementedFallback, build._no_backward; when it was a Python
+  kernel, this pair showed what that cost);
 - a least-squares line through the overload's times over S: ``fixed_us`` (intercept, the
   cost of one call with no slices) and ``per_slice_us`` (slope), to compare with
   ``launch_floor_us`` (one cached cublasLtMatmul launch in a C++ loop, launch_floor.py).
@@ -175,8 +176,8 @@ def main(argv: list[str] | None = None) -> int:
             variants[f"{lib} S={s} overload"] = lambda op=op: op.op.default(a, b)
             if s == 1 and lib == "cublaslt":
                 variants[f"{INFERENCE}{lib} S={s} op()"] = lambda op=op: op(a, b)
-    # Under inference mode the dispatcher skips autograd kernels: torch's (C++) and the
-    # op's (Python, torch.library.register_autograd: it says there is no backward).
+    # Under inference mode the dispatcher skips autograd kernels: torch's and the op's
+    # (both C++; build._no_backward).
     variants[f"{INFERENCE}torch.matmul"] = lambda: torch.matmul(a, b)
     gpu_timing.warm_up(lambda: [fn() for fn in variants.values()], 1.0, batch=3)
     us = measure(variants, args.samples)

@@ -329,8 +329,10 @@ def _compile(entry: _Entry, source: str, key: str, full_torch: bool = False) -> 
         stale.unlink(missing_ok=True)
     start = time.perf_counter()
     tools = _full_torch(toolchain()) if full_torch else toolchain()
-    with _precompiled_runtime(tools) as pch:
-        _prune_precompiled(keep=pch)
+    # A full-torch library does not include the runtime: no precompiled header for it.
+    with (contextlib.nullcontext(None) if full_torch else _precompiled_runtime(tools)) as pch:
+        if not full_torch:
+            _prune_precompiled(keep=pch)
         entry.source.write_text(source)
         includes = [*([f"-I{pch}", "-Winvalid-pch"] if pch else []), f"-I{include_dir()}"]
         partial = entry.library.with_suffix(".so.partial")
@@ -440,10 +442,10 @@ def _no_backward() -> Callable[[bytes], int] | None:
         library = build_library("codegen_no_backward",
                                 NO_BACKWARD_SOURCE.replace("NAMESPACE", NAMESPACE),
                                 full_torch=True)
-    except BuildError as e:
+        register = ctypes.CDLL(str(library)).codegen_register_no_backward
+    except (BuildError, OSError, AttributeError) as e:  # not built, not loaded, no symbol
         print(f"codegen: ops get a Python autograd kernel instead ({e})", file=sys.stderr)
         return None
-    register = ctypes.CDLL(str(library)).codegen_register_no_backward
     register.argtypes, register.restype = [ctypes.c_char_p], ctypes.c_int
     return register
 
@@ -474,8 +476,12 @@ def _register_python_parts(program: hir.HostProgram, qualname: str) -> None:
 
     torch.library.register_fake(qualname)(fake)
     register = _no_backward()
-    if register is None or register(qualname.split("::")[1].encode()) != 0:
-        torch.library.register_autograd(qualname, backward)
+    if register is not None and register(qualname.split("::")[1].encode()) == 0:
+        return
+    if register is not None:
+        print(f"codegen: {qualname} gets a Python autograd kernel (registering torch's C++ "
+              "one failed)", file=sys.stderr)
+    torch.library.register_autograd(qualname, backward)
 
 
 class CompiledOp:

@@ -450,7 +450,7 @@ def on_caller_stream(loop: ForLoop, pool: int) -> bool:
     then its iterations stay on the caller's stream, which orders them as a worker
     would, without the events and stream switches of a fork and a join."""
     count = stream_count(loop, pool)
-    return isinstance(count, Const) and count.value <= 1
+    return pool <= 1 or (isinstance(count, Const) and count.value <= 1)
 
 
 def assign_streams(program: HostProgram) -> HostProgram:

@@ -406,6 +406,24 @@ def _cublaslt(program: hir.HostProgram) -> str:
     return "true" if program.gemm_library == "cublaslt" else "false"
 
 
+def _gemms_on_caller(program: hir.HostProgram) -> bool:
+    """Whether a GEMM runs on the caller's stream (outside loops that switch to worker
+    streams): only then does a call claim a cuBLASLt workspace for that stream."""
+
+    def walk(nodes: list[hir.Node], on_worker: bool) -> bool:
+        for n in nodes:
+            if isinstance(n, (hir.Matmul, hir.Linear)) and not on_worker:
+                return True
+            if isinstance(n, hir.ForLoop):
+                switches = any(isinstance(c, hir.SetCurrentStream)
+                               and isinstance(c.stream, hir.Stream) for c in n.body)
+                if walk(n.body, on_worker or switches):
+                    return True
+        return False
+
+    return walk(program.body, False)
+
+
 def prepare(program: hir.HostProgram) -> dict[str, Any]:
     """The plain data the templates render: strings and lists only."""
     if not isinstance(program, hir.HostProgram):
@@ -442,6 +460,7 @@ def prepare(program: hir.HostProgram) -> dict[str, Any]:
         "dtype": DTYPES[dtype],
         "sm_count": program.gemm_sm_count,
         "cublaslt": _cublaslt(program),
+        "caller_gemms": _gemms_on_caller(program),
         "body": statements.out,
         **_input_checks(program, names),
     }

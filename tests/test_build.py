@@ -218,3 +218,21 @@ def test_allocations_are_kept_until_the_workers_joined():
     source = cg.render(cg.lower(EXAMPLES["two_matmuls_not_inlinable"].make()))
     allocations = [line.strip() for line in source.splitlines() if "rt::empty(" in line]
     assert allocations and all("streams.keep(rt::empty(" in a for a in allocations)
+
+
+def test_a_call_claims_a_caller_workspace_only_for_gemms_on_the_callers_stream():
+    """rt::Streams(device, caller_gemms): worker-only programs leave the caller's
+    workspace slots (four per thread) to programs that run GEMMs there."""
+    from codegen import examples as ex
+
+    def streams_line(program):
+        (line,) = [s.strip() for s in cg.render(program).splitlines()
+                   if s.strip().startswith("rt::Streams streams(")]
+        return line.split(";")[0]
+
+    assert streams_line(cg.lower(ex.matmul_rows(torch.float32, 4))) == \
+        "rt::Streams streams(device)"
+    assert streams_line(cg.lower(ex.matmul_rows(torch.float32, 1))) == \
+        "rt::Streams streams(device, /*caller_gemms=*/true)"
+    assert streams_line(cg.lower(ex.matmul_rows(torch.float32, 4), pool_size=1)) == \
+        "rt::Streams streams(device, /*caller_gemms=*/true)"

@@ -176,3 +176,16 @@ def test_two_slices_on_a_pool_of_two_still_fork_and_join():
                if isinstance(n, hir.ForLoop) and n.parallel is cg.ParallelType.Stream]
     assert not hir.on_caller_stream(loop, 2)
     assert str(loop.body[0]) == "SetCurrentStream(Stream(i))"
+
+
+def test_pool_of_one_stays_on_the_callers_stream_with_a_symbolic_slice_count():
+    with cg.Fusion("rows_by_8") as fusion:
+        out = cg.matmul(cg.input(["m", "k"]), cg.input(["k", "n"]))
+        cg.output(out)
+    out.split(0, 8)  # ceilDiv(m, 8) slices of 8 rows: a count known only at run time
+    out.axis(0).parallelize(cg.ParallelType.Stream)
+    program = cg.lower(fusion, pool_size=1)
+    assert "SetCurrentStream" not in str(program) and "Synchronize" not in str(program)
+    a, b = ints(21, 4), ints(4, 5)
+    assert torch.equal(cg.evaluate(program, [a, b])[0], a @ b)
+    assert "SetCurrentStream(Stream(i % 4))" in str(cg.lower(fusion, pool_size=4))

@@ -218,11 +218,12 @@ inline void gemm_cublas(const GemmArgs& g, const View& c, const View& a, const V
 // ---- the program's GEMMs ------------------------------------------------------------
 
 // One call's GEMMs: the types and flags are read once per call. With cuBLASLt (the
-// program's gemm_library, the default), each GEMM on a worker stream runs as one
-// cublasLtMatmul from a cached plan (gemm_plan.h) with that stream's workspace, a bias
-// fused as its epilogue; otherwise (gemm_library="cublas", the caller's stream, graph
-// capture of a shape never planned, a bias cuBLASLt cannot fuse, an empty contraction)
-// through cublasGemmEx, a bias by a rank-1 GEMM.
+// program's gemm_library, the default), each GEMM runs as one cublasLtMatmul from a
+// cached plan (gemm_plan.h) with its stream's workspace (stream.h), a bias fused as its
+// epilogue; otherwise (gemm_library="cublas", a stream without a workspace, graph
+// capture of a shape never planned or on a stream that has no workspace yet, a bias
+// cuBLASLt cannot fuse, an empty contraction) through cublasGemmEx, a bias by a rank-1
+// GEMM.
 class Gemms {
  public:
   Gemms(DType dtype, int32_t device, bool cublaslt, int sm_count, const char* op)

@@ -234,11 +234,7 @@ inline bool Gemms::gemm_lt(const GemmArgs& g, const View& c, const View& a, cons
                            const View* bias, const Stream& stream) {
   const char* op = op_;
   if (g.batch > 1 && (g.sa == 0 || g.sb == 0)) return false;
-  Workspace* own = stream.workspace;
-  if (!own->ready && stream.borrow != nullptr && capturing(stream.handle, op)) {
-    own = stream.borrow;  // no allocation during capture (see Stream::borrow)
-  }
-  Workspace& ws = *own;
+  Workspace& ws = *stream.workspace;
   if (!ws.ready) {
     if (capturing(stream.handle, op)) return false;  // no allocation during capture
     const int64_t size = static_cast<int64_t>(workspace_bytes());

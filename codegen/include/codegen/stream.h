@@ -33,9 +33,12 @@
 namespace codegen_rt {
 
 // Scratch memory of one stream (cuBLASLt's workspace), from PyTorch's caching allocator,
-// used only on that stream, so never by two streams at once. Allocated on the stream's
-// first cuBLASLt GEMM, never during graph capture (a GEMM captured on a stream with no
-// workspace yet takes cublasGemmEx).
+// used only on that stream by this thread's eager calls. Allocated on the stream's first
+// cuBLASLt GEMM, never during graph capture: a GEMM captured on a stream with no
+// workspace yet takes cublasGemmEx (torch.cuda.graph captures on its own stream, so a
+// one-stream loop captured there does). A captured graph keeps the workspaces its GEMMs
+// used: replay it ordered with this thread's eager calls (on their stream, or after a
+// synchronize), as for any graph that shares memory with eager work.
 struct Workspace {
   torch::stable::Tensor tensor;
   void* data = nullptr;
@@ -50,12 +53,6 @@ struct Stream {
   cudaEvent_t event = nullptr;
   int64_t worker = -1;  // index in the lease, or -1 for the caller's stream
   Workspace* workspace = nullptr;  // its own (Lease), or none: GEMMs then take cublasGemmEx
-  // The caller's stream only: a workspace of this thread's to use instead of `workspace`
-  // while the stream is captured before it has one (torch.cuda.graph captures on its own
-  // stream after a warm-up on another). The graph's GEMMs then share it with this
-  // thread's eager calls, as a graph's worker-stream GEMMs share their workspaces: replays
-  // must be ordered with this thread's eager calls (same stream, or synchronized).
-  Workspace* borrow = nullptr;
 };
 
 // The streams one thread uses on one device.
@@ -69,18 +66,6 @@ struct Lease {
   // than kCallerWorkspaces gets none for the others: their GEMMs take cublasGemmEx.
   static constexpr size_t kCallerWorkspaces = 4;
   std::vector<std::pair<cudaStream_t, std::unique_ptr<Workspace>>> caller_workspaces;
-
-  // A workspace of this thread's that is allocated (a worker's, else a caller stream's),
-  // or none.
-  Workspace* ready_workspace() const {
-    for (const auto& w : workspaces) {
-      if (w->ready) return w.get();
-    }
-    for (const auto& [handle, w] : caller_workspaces) {
-      if (w->ready) return w.get();
-    }
-    return nullptr;
-  }
 
   Workspace* caller_workspace(cudaStream_t stream) {
     for (auto& [handle, workspace] : caller_workspaces) {
@@ -220,12 +205,13 @@ const torch::stable::Tensor& tensor_of(const T& t) {
 // One call's streams: see the comment at the top of this file.
 class Streams {
  public:
-  explicit Streams(int32_t device) : device_(device), lease_(&thread_lease(device)) {
+  // `caller_gemms`: the program runs GEMMs on the caller's stream (a one-stream loop, or
+  // a GEMM outside loops); only then does the call claim a workspace for that stream.
+  explicit Streams(int32_t device, bool caller_gemms = false)
+      : device_(device), lease_(&thread_lease(device)) {
     const cudaStream_t caller = current_stream(device, "codegen");
-    caller_ = {caller, lease_->caller_event, -1, lease_->caller_workspace(caller)};
-    if (caller_.workspace != nullptr && !caller_.workspace->ready) {
-      caller_.borrow = lease_->ready_workspace();
-    }
+    caller_ = {caller, lease_->caller_event, -1,
+               caller_gemms ? lease_->caller_workspace(caller) : nullptr};
     current_ = caller_;
   }
   Streams(const Streams&) = delete;
