@@ -63,7 +63,10 @@ struct Lease {
   std::vector<std::unique_ptr<Workspace>> workspaces;  // one per worker
   // The caller's streams' workspaces, by stream (the GEMMs of a loop that runs on the
   // caller's stream, or outside loops, use them). A thread that calls from more streams
-  // than kCallerWorkspaces gets none for the others: their GEMMs take cublasGemmEx.
+  // than kCallerWorkspaces gets none for the others: their GEMMs take cublasGemmEx. Slots
+  // are never freed: PyTorch's streams live as long as the process, but an external
+  // stream destroyed while its work runs, whose handle a new stream then gets, would
+  // hand that work's workspace to the new stream's GEMMs.
   static constexpr size_t kCallerWorkspaces = 4;
   std::vector<std::pair<cudaStream_t, std::unique_ptr<Workspace>>> caller_workspaces;
 
