@@ -176,6 +176,10 @@ def test_two_slices_on_a_pool_of_two_still_fork_and_join():
                if isinstance(n, hir.ForLoop) and n.parallel is cg.ParallelType.Stream]
     assert not hir.on_caller_stream(loop, 2)
     assert str(loop.body[0]) == "SetCurrentStream(Stream(i))"
+    text = str(program)
+    assert text.count("Synchronize(main_stream)") == 1  # the fork
+    assert text.count("Synchronize(Stream(j))") == 1  # the join
+    assert "main_stream = GetCurrentStream()" in text
 
 
 def test_pool_of_one_stays_on_the_callers_stream_with_a_symbolic_slice_count():
