@@ -111,7 +111,10 @@ def estimate_ms(fn: Callable[[], Any], calls: int = 5) -> float:
 
 def capture_graph(fn: Callable[[], Any]) -> tuple[torch.cuda.CUDAGraph, Any]:
     """Captures one call of ``fn`` (static inputs, its output becomes the static output)
-    after three warm-up calls on a side stream, as torch's CUDA-graph docs do.
+    after three warm-up calls on a side stream, as torch's CUDA-graph docs do, and on
+    that same stream: a codegen op whose GEMMs run on the caller's stream (one slice, or
+    pool_size=1) then finds that stream's cuBLASLt workspace allocated, as eager calls
+    do (none is allocated during capture; README, "Measured on the H200").
     Returns (graph, static output); ``graph.replay()`` reruns the call."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -121,7 +124,7 @@ def capture_graph(fn: Callable[[], Any]) -> tuple[torch.cuda.CUDAGraph, Any]:
     torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, stream=side):
         out = fn()
     torch.cuda.synchronize()
     return graph, out

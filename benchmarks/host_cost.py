@@ -97,20 +97,11 @@ torch::stable::Tensor step(torch::stable::Tensor T0_arg, torch::stable::Tensor T
 }
 }  // namespace
 STABLE_TORCH_LIBRARY_FRAGMENT(codegen_bench, m) {
-  m.def("host_cost_step0(Tensor a, Tensor b) -> Tensor");
-  m.def("host_cost_step1(Tensor a, Tensor b) -> Tensor");
-  m.def("host_cost_step2(Tensor a, Tensor b) -> Tensor");
-  m.def("host_cost_step3(Tensor a, Tensor b) -> Tensor");
-  m.def("host_cost_step4(Tensor a, Tensor b) -> Tensor");
-}
+""" + "".join(f'  m.def("host_cost_step{i}(Tensor a, Tensor b) -> Tensor");\n'
+              for i in range(len(LADDER))) + """}
 STABLE_TORCH_LIBRARY_IMPL(codegen_bench, CUDA, m) {
-  m.impl("host_cost_step0", TORCH_BOX(&step<0>));
-  m.impl("host_cost_step1", TORCH_BOX(&step<1>));
-  m.impl("host_cost_step2", TORCH_BOX(&step<2>));
-  m.impl("host_cost_step3", TORCH_BOX(&step<3>));
-  m.impl("host_cost_step4", TORCH_BOX(&step<4>));
-}
-"""
+""" + "".join(f'  m.impl("host_cost_step{i}", TORCH_BOX(&step<{i}>));\n'
+              for i in range(len(LADDER))) + "}\n"
 
 
 INFERENCE = "inference: "  # variants named so are sampled under torch.inference_mode()
@@ -124,8 +115,7 @@ def measure(variants: dict[str, Callable[[], Any]], samples: int) -> dict[str, f
     names = list(variants)
     for r in range(samples):
         for v in rotated(names, r):
-            mode = torch.inference_mode(v.startswith(INFERENCE))
-            with mode:
+            with torch.inference_mode(v.startswith(INFERENCE)):
                 got[v].append(gpu_timing.host_sample(variants[v]))
     return {v: statistics.median(s) for v, s in got.items()}
 

@@ -320,6 +320,10 @@ def _full_torch(tools: Toolchain) -> Toolchain:
     return dataclasses.replace(tools, cflags=(*cflags, api))
 
 
+def _tools(full_torch: bool) -> Toolchain:
+    return _full_torch(toolchain()) if full_torch else toolchain()
+
+
 def _compile(entry: _Entry, source: str, key: str, full_torch: bool = False) -> float:
     """Builds ``entry`` from ``source`` in one compiler run; returns seconds. Caller holds
     the lock."""
@@ -328,7 +332,7 @@ def _compile(entry: _Entry, source: str, key: str, full_torch: bool = False) -> 
     for stale in (entry.stamp, entry.library):
         stale.unlink(missing_ok=True)
     start = time.perf_counter()
-    tools = _full_torch(toolchain()) if full_torch else toolchain()
+    tools = _tools(full_torch)
     # A full-torch library does not include the runtime: no precompiled header for it.
     with (contextlib.nullcontext(None) if full_torch else _precompiled_runtime(tools)) as pch:
         if not full_torch:
@@ -345,7 +349,7 @@ def _compile(entry: _Entry, source: str, key: str, full_torch: bool = False) -> 
             # gold is faster but cannot read some toolchains' libstdc++ linker scripts
             # (seen with a GCC in /opt/gcc): link with the default linker from now on.
             _gold_failed.set()
-            tools = _full_torch(toolchain()) if full_torch else toolchain()
+            tools = _tools(full_torch)
             _run([*command, *tools.ldflags], entry.folder / "build.log", entry.name)
     partial.replace(entry.library)
     entry.stamp.write_text(f"{key} {_digest(entry.library.read_bytes())}\n")
@@ -450,13 +454,14 @@ def _no_backward() -> Callable[[bytes], int] | None:
     return register
 
 
-def _register_python_parts(program: hir.HostProgram, qualname: str) -> None:
+def _register_python_parts(program: hir.HostProgram, qualname: str,
+                           register: Callable[[bytes], int] | None) -> None:
     """What the C++ does not register: a fake implementation (output shapes for
     FakeTensor, meta tensors and torch.compile, after the same input checks as the
-    evaluator) and an autograd kernel that says there is no backward (``_no_backward``:
-    torch's C++ one; a Python formula where that cannot be built). Inputs that require
-    grad (say, an nn.Parameter under inference) run forward, whoever calls the op, and
-    backward fails with a message that names the op."""
+    evaluator) and an autograd kernel that says there is no backward (``register``, from
+    ``_no_backward``: torch's C++ one; a Python formula where it is None or fails).
+    Inputs that require grad (say, an nn.Parameter under inference) run forward, whoever
+    calls the op, and backward fails with a message that names the op."""
     outputs = [program.allocations()[o] for o in program.outputs]
     n_inputs = len(program.inputs)
 
@@ -475,7 +480,6 @@ def _register_python_parts(program: hir.HostProgram, qualname: str) -> None:
             "torch.no_grad(), or with .detach()ed inputs, where gradients are not needed")
 
     torch.library.register_fake(qualname)(fake)
-    register = _no_backward()
     if register is not None and register(qualname.split("::")[1].encode()) == 0:
         return
     if register is not None:
@@ -539,10 +543,10 @@ def build(program: hir.HostProgram, source: str | None = None) -> CompiledOp:
     else:
         library = build_library(name, source)
     compiled = CompiledOp(program, name, library, source)
-    _no_backward()  # built (once) before _lock is taken: build_library takes it too
+    register = _no_backward()  # built (once) before _lock is taken: build_library takes it
     with _lock:
         if compiled.name not in _registered:
-            _register_python_parts(program, compiled.name)
+            _register_python_parts(program, compiled.name, register)
             _registered.add(compiled.name)
     return compiled
 
