@@ -3,12 +3,19 @@ which stream, and at what bandwidth each copy moved. The question it answers: wh
 2-D slices of a row-major w fall behind dense (1-D) slices of w^T under the GEMMs
 (README, "Measured on the H200", P4)?
 
-    PYTHONPATH=. python3 benchmarks/copy_trace.py [--m 12288] [--slices 4,8]
+    PYTHONPATH=. python3 benchmarks/copy_trace.py [--m 12288] [--slices 4,8] [--calls N]
 
 For k = n = 8192 bf16 and each S, it profiles one call (after warm-up) of
 ``examples.stream_weights`` with w row-major (one cudaMemcpy2DAsync per slice) and with
 w column-major (one cudaMemcpyAsync per slice) and prints every copy and GEMM with its
 start and end (µs from the first event), its stream and, for copies, GB/s.
+
+With ``--calls N`` (N > 1) it profiles N back-to-back calls instead, as the benchmark
+runs them, of the op (both layouts), the hand-written Python pipeline, copy alone and
+copy-then-GEMM, and prints one line per call: its period (from its first copy to the
+next call's), the copy engine's busy time and rate, GEMM time not under a copy, and the
+time in which neither ran (idle). A period longer than one call's, traced alone, shows
+where a sustained loop loses time (``sustained``).
 
 What it showed on the H200 (m = 12288, README "Measured on the H200"): the copies ran
 back to back in slice order, each slice's GEMM under the next slice's copy, for both
@@ -20,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -28,10 +36,10 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from bench_copy import DTYPE, K, N, op_for  # noqa: E402
+from bench_copy import DTYPE, K, N, PythonCopyPipeline, op_for  # noqa: E402
 
 import codegen as cg  # noqa: E402
-from codegen.timeline import COPIES, profile_gpu  # noqa: E402
+from codegen.timeline import COPIES, KernelEvent, profile_gpu  # noqa: E402
 
 
 def trace(op: cg.CompiledOp, x: torch.Tensor, w: torch.Tensor) -> str:
@@ -48,11 +56,87 @@ def trace(op: cg.CompiledOp, x: torch.Tensor, w: torch.Tensor) -> str:
     return "\n".join(lines)
 
 
+def _union_us(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    merged: list[tuple[float, float]] = []
+    for a, b in sorted(intervals):
+        if merged and a <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], b))
+        else:
+            merged.append((a, b))
+    return merged
+
+
+def _within(union: list[tuple[float, float]], a: float, b: float) -> float:
+    return sum(max(0.0, min(b, e) - max(a, s)) for s, e in union)
+
+
+def sustained(fn: Callable[[], object], copies_per_call: int, calls: int) -> str:
+    """One line per call of ``calls`` back-to-back calls of ``fn`` (traced together after
+    a warm-up): a call runs from its first host-to-device copy to the next call's."""
+    events: list[KernelEvent] = profile_gpu(lambda: [fn() for _ in range(calls)], warmup=3)
+    copies = [e for e in events if e.kind == "HtoD"]
+    work = [e for e in events if e.kind != "memset"]
+    starts = [copies[c * copies_per_call].start_us for c in range(calls)]
+    starts.append(max(e.end_us for e in work))
+    copy_union = _union_us([(e.start_us, e.end_us) for e in copies])
+    gemm_union = _union_us([(e.start_us, e.end_us) for e in work if e.kind not in COPIES])
+    busy_union = _union_us(copy_union + gemm_union)
+    lines = [f"  {'call':>4} {'period':>8} {'copy':>8} {'GB/s':>6} {'GEMM':>8} "
+             f"{'exposed':>8} {'idle':>7} {'memsets':>7}"]
+    for c in range(calls):
+        a, b = starts[c], starts[c + 1]
+        mine = [e for e in copies if a <= e.start_us < b]
+        copy_us = _within(copy_union, a, b)
+        nbytes = sum(e.nbytes for e in mine)
+        gemm_us = _within(gemm_union, a, b)
+        both = sum(_within(copy_union, max(s, a), min(e, b)) for s, e in gemm_union
+                   if max(s, a) < min(e, b))
+        exposed = gemm_us - both
+        idle = (b - a) - _within(busy_union, a, b)
+        memsets = sum(1 for e in events if e.kind == "memset" and a <= e.start_us < b)
+        lines.append(f"  {c:>4} {b - a:8.1f} {copy_us:8.1f} {nbytes / copy_us / 1e3:6.1f} "
+                     f"{gemm_us:8.1f} {exposed:8.1f} {idle:7.1f} {memsets:>7}")
+    lines.append("  (us; exposed: GEMM time with no copy running; idle: neither running; "
+                 "the last call ends at its last kernel)")
+    return "\n".join(lines)
+
+
+def sustained_all(m: int, slices: list[int], calls: int) -> None:
+    """``sustained`` for the op (2-D and 1-D slices), the Python pipeline, copy alone and
+    copy-then-GEMM, as bench_copy times them."""
+    x = torch.randn(m, K, device="cuda", dtype=DTYPE)
+    w_rows = torch.randn(K, N, dtype=DTYPE).pin_memory()
+    w_cols = w_rows.t().contiguous().pin_memory().t()
+    w_dev = w_rows.to("cuda")
+    out = torch.empty(m, N, device="cuda", dtype=DTYPE)
+
+    def copy_then_gemm() -> None:
+        w_dev.copy_(w_rows, non_blocking=True)
+        torch.matmul(x, w_dev, out=out)
+
+    runs: list[tuple[str, Callable[[], object], int]] = [
+        ("copy alone", lambda: w_dev.copy_(w_rows, non_blocking=True), 1),
+        ("copy then GEMM", copy_then_gemm, 1)]
+    for s in slices:
+        op, pipeline = op_for(s), PythonCopyPipeline(w_rows, s)
+        runs += [(f"op S={s} 1-D (column-major w)", lambda op=op: op(x, w_cols), s),
+                 (f"op S={s} 2-D (row-major w)", lambda op=op: op(x, w_rows), s),
+                 (f"python S={s}", lambda p=pipeline: p(x), s)]
+    for name, fn, per_call in runs:
+        print(f"{name}, m={m}, {calls} calls back to back:\n"
+              f"{sustained(fn, per_call, calls)}", flush=True)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--m", type=int, default=12288)
     parser.add_argument("--slices", default="4,8")
+    parser.add_argument("--calls", type=int, default=1,
+                        help="trace this many calls back to back (see the docstring)")
     args = parser.parse_args()
+    if args.calls > 1:
+        sustained_all(args.m, [int(v) for v in args.slices.split(",")], args.calls)
+        return 0
     x = torch.randn(args.m, K, device="cuda", dtype=DTYPE)
     w_rows = torch.randn(K, N, dtype=DTYPE).pin_memory()
     w_cols = torch.randn(N, K, dtype=DTYPE).pin_memory().t()

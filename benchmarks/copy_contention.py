@@ -1,0 +1,157 @@
+"""Do the GEMM slices slow the host-to-device copies that run under them, and does an SM
+budget for the GEMMs give the copies their bandwidth back? (issue 10, P4)
+
+    PYTHONPATH=. python3 benchmarks/copy_contention.py [--rounds 7] [--sm 0,120,100]
+
+A sustained trace of the weight-streaming op (``copy_trace.py --calls``) showed where a
+balanced call loses time against its floor: the copies move 50-53 GB/s under the GEMMs,
+against 55 GB/s alone. This asks why, in two parts, for k = n = 8192 bf16:
+
+1. **Copy rate under a load.** 128 MiB of pinned memory copied to the GPU as 16 1-D
+   copies of 8 MiB on one stream, back to back, timed by CUDA events on that stream,
+   while another stream runs a load that outlasts them: nothing; a sleep kernel (one
+   SM, no memory traffic); the op's GEMM slice (x [m, k] @ a column-major [k, n/16]
+   slot, through a one-slice program built with ``gemm_sm_count`` = each of ``--sm``);
+   the Python pipeline's (torch.matmul with a row-major slot). GB/s, median of rounds.
+2. **The op with an SM budget.** The op at S = 8 and 16 (1-D slices) built with each
+   ``gemm_sm_count``, interleaved with the Python pipeline, copy alone and GEMM alone on
+   the balanced shape: time / (max(copy, GEMM) * (1 + 1/S)), the P4 floor.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+import bench_copy  # noqa: E402
+import gpu_timing  # noqa: E402
+from bench_copy import DTYPE, POOL, K, N, PythonCopyPipeline  # noqa: E402
+from interleave import rotated  # noqa: E402
+
+import codegen as cg  # noqa: E402
+from codegen import examples  # noqa: E402
+
+COPIES = 16  # chunks of the 128 MiB copy in part 1
+
+
+def copy_rate_under(load: Callable[[], None] | None, w_host: torch.Tensor,
+                    dst: torch.Tensor) -> float:
+    """GB/s of COPIES back-to-back 1-D copies of w_host into dst on a copy stream, while
+    ``load`` (queued first, on its own stream) runs."""
+    copy_stream, load_stream = torch.cuda.Stream(), torch.cuda.Stream()
+    src, out = w_host.view(-1).chunk(COPIES), dst.view(-1).chunk(COPIES)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    if load is not None:
+        with torch.cuda.stream(load_stream):
+            load()
+    with torch.cuda.stream(copy_stream):
+        start.record()
+        for s, d in zip(src, out):
+            d.copy_(s, non_blocking=True)
+        end.record()
+    torch.cuda.synchronize()
+    return w_host.numel() * w_host.element_size() / start.elapsed_time(end) / 1e6
+
+
+def part1(w_host: torch.Tensor, m: int, sms: list[int], rounds: int) -> None:
+    x = torch.randn(m, K, device="cuda", dtype=DTYPE)
+    chunk = N // COPIES
+    slot_col = torch.randn(chunk, K, device="cuda", dtype=DTYPE).t()  # [K, chunk], col-major
+    slot_row = torch.randn(K, chunk, device="cuda", dtype=DTYPE)
+    out = torch.empty(m, N, device="cuda", dtype=DTYPE)
+    dst = torch.empty(K, N, device="cuda", dtype=DTYPE)
+    copy_ms = K * N * 2 / 55e6  # about: 55 GB/s
+    loads: dict[str, Callable[[], None] | None] = {"nothing": None}
+    loads["sleep kernel"] = lambda: torch.cuda._sleep(int(2 * copy_ms * gpu_timing.CYCLES_PER_MS))
+
+    def repeat(fn: Callable[[], object]) -> Callable[[], None]:
+        """``fn`` called often enough to outlast the copies twice over."""
+        calls = max(1, round(2 * copy_ms / gpu_timing.estimate_ms(fn, 5)))
+
+        def load() -> None:
+            for _ in range(calls):
+                fn()
+        return load
+
+    loads["torch.matmul, row-major slot"] = repeat(
+        lambda: torch.matmul(x, slot_row, out=out[:, :chunk]))
+    for sm in sms:
+        op = cg.compile(examples._split_matmul(f"slice_gemm_sm{sm}", DTYPE, 1, 1),
+                        pool_size=1, gemm_sm_count=sm)
+        loads[f"op GEMM, col-major slot, sm={sm or 'all'}"] = repeat(
+            lambda op=op: op(x, slot_col))
+    names = list(loads)
+    rates: dict[str, list[float]] = {v: [] for v in names}
+    for r in range(rounds):
+        for v in rotated(names, r):
+            rates[v].append(copy_rate_under(loads[v], w_host, dst))
+    print(f"Part 1: GB/s of {COPIES} back-to-back 1-D host-to-device copies (128 MiB) "
+          f"under a load on another stream, m = {m}, median of {rounds} rounds")
+    for v in names:
+        print(f"  {v:>40}  {statistics.median(rates[v]):6.1f}  "
+              f"(min {min(rates[v]):.1f}, max {max(rates[v]):.1f})")
+
+
+def part2(w_host: torch.Tensor, w_dev: torch.Tensor, m: int, sms: list[int],
+          rounds: int) -> None:
+    x = torch.randn(m, K, device="cuda", dtype=DTYPE)
+    out = torch.empty(m, N, device="cuda", dtype=DTYPE)
+    w_col = w_host.t().contiguous().pin_memory().t()
+    ref = torch.matmul(x, w_dev).float()
+    variants: dict[str, Callable[[], object]] = {
+        "copy": lambda: w_dev.copy_(w_host, non_blocking=True),
+        "gemm": lambda: torch.matmul(x, w_dev, out=out),
+    }
+    for s in (8, 16):
+        pipeline = PythonCopyPipeline(w_host, s)
+        variants[f"python/s{s}"] = lambda p=pipeline: p(x)
+        for sm in sms:
+            op = cg.compile(examples.stream_weights(DTYPE, s, name=f"stream_weights_sm{sm}"),
+                            pool_size=POOL, gemm_sm_count=sm)
+            err = ((op(x, w_col).float() - ref).norm() / ref.norm()).item()
+            if not err < 2e-2:
+                print(f"WARNING op S={s} sm={sm}: relative error {err:.3g}")
+            variants[f"op/s{s}/sm{sm}"] = lambda op=op: op(x, w_col)
+    t = bench_copy.interleaved(variants, rounds, 15.0, 1.5)
+    bound = [max(c, g) for c, g in zip(t["copy"], t["gemm"])]
+    print(f"\nPart 2: balanced m = {m}: copy {statistics.median(t['copy']):.3f} ms, GEMM "
+          f"{statistics.median(t['gemm']):.3f} ms; time / (max(copy, GEMM) * (1 + 1/S)), "
+          f"median of {rounds} rounds")
+    for v in variants:
+        if v in ("copy", "gemm"):
+            continue
+        s = int(v.split("/")[1][1:])
+        print(f"  {v:>16}  {statistics.median(t[v]):7.3f} ms  "
+              f"{bench_copy.median_ratio(t[v], bound) / (1 + 1 / s):6.3f}")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--sm", default="0,120,100",
+                        help="gemm_sm_count values (0 = all SMs)")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("copy_contention: needs a CUDA GPU")
+        return 1
+    sms = [int(v) for v in args.sm.split(",")]
+    w_host = torch.randn(K, N, dtype=DTYPE).pin_memory()
+    w_dev = w_host.to("cuda")
+    m, _, _ = bench_copy.tune_m(w_host, w_dev)
+    part1(w_host, m, sms, args.rounds)
+    part2(w_host, w_dev, m, sms, args.rounds)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
