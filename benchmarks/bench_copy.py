@@ -98,6 +98,44 @@ class PythonCopyPipeline:
         return out
 
 
+class PythonCopyStreamPipeline(PythonCopyPipeline):
+    """The same pipeline with every copy on one copy stream, in slice order: slice i's
+    GEMM (on stream i % pool) waits for its copy's event, and the copy into a staging
+    buffer waits for the event of the GEMM that last read it. Only one copy is ever
+    eligible to run, so the copy engine never splits itself between streams."""
+
+    def __init__(self, w_host: torch.Tensor, slices: int, pool: int = POOL) -> None:
+        super().__init__(w_host, slices, pool)
+        self.copier = torch.cuda.Stream()
+        self.copied = [torch.cuda.Event() for _ in self.chunks]
+        self.read = [torch.cuda.Event() for _ in self.chunks]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.empty(x.shape[0], self.n, device=x.device, dtype=x.dtype)
+        main = torch.cuda.current_stream()
+        self.copier.wait_stream(main)
+        for s in self.streams:
+            s.wait_stream(main)
+        pool = len(self.streams)
+        for i, chunk in enumerate(self.chunks):
+            p = i % pool
+            width = chunk.shape[1]
+            slot = self.staging[p][:, :width]
+            with torch.cuda.stream(self.copier):
+                if i >= pool:
+                    self.copier.wait_event(self.read[i - pool])
+                slot.copy_(chunk, non_blocking=True)
+                self.copied[i].record()
+            with torch.cuda.stream(self.streams[p]):
+                self.streams[p].wait_event(self.copied[i])
+                start = i * self.chunk
+                torch.matmul(x, slot, out=out[:, start:start + width])
+                self.read[i].record()
+        for s in self.streams:
+            main.wait_stream(s)
+        return out
+
+
 def interleaved(variants: dict[str, Callable[[], Any]], rounds: int, block_ms: float,
                 warmup_s: float) -> dict[str, list[float]]:
     """Milliseconds per call of each variant, one value per round: blocks of calls

@@ -34,7 +34,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 import bench_copy  # noqa: E402
 import gpu_timing  # noqa: E402
-from bench_copy import DTYPE, POOL, K, N, PythonCopyPipeline  # noqa: E402
+from bench_copy import DTYPE, POOL, K, N, PythonCopyPipeline, PythonCopyStreamPipeline  # noqa: E402
 from interleave import rotated  # noqa: E402
 
 import codegen as cg  # noqa: E402
@@ -135,9 +135,50 @@ def part2(w_host: torch.Tensor, w_dev: torch.Tensor, m: int, sms: list[int],
               f"{bench_copy.median_ratio(t[v], bound) / (1 + 1 / s):6.3f}")
 
 
+def part3(w_host: torch.Tensor, w_dev: torch.Tensor, m: int, rounds: int,
+          calls: int) -> None:
+    """The op and the Python pipeline against the Python pipeline with one copy stream."""
+    from copy_trace import sustained
+
+    x = torch.randn(m, K, device="cuda", dtype=DTYPE)
+    out = torch.empty(m, N, device="cuda", dtype=DTYPE)
+    w_col = w_host.t().contiguous().pin_memory().t()
+    ref = torch.matmul(x, w_dev).float()
+    variants: dict[str, Callable[[], object]] = {
+        "copy": lambda: w_dev.copy_(w_host, non_blocking=True),
+        "gemm": lambda: torch.matmul(x, w_dev, out=out),
+    }
+    for s in (4, 8, 16):
+        op = bench_copy.op_for(s)
+        streamed = PythonCopyStreamPipeline(w_host, s)
+        err = ((streamed(x).float() - ref).norm() / ref.norm()).item()
+        if not err < 2e-2:
+            print(f"WARNING copy-stream pipeline S={s}: relative error {err:.3g}")
+        variants[f"op/s{s}"] = lambda op=op: op(x, w_col)
+        plain = PythonCopyPipeline(w_host, s)
+        variants[f"python/s{s}"] = lambda p=plain: p(x)
+        variants[f"copy-stream/s{s}"] = lambda p=streamed: p(x)
+    t = bench_copy.interleaved(variants, rounds, 15.0, 1.5)
+    bound = [max(c, g) for c, g in zip(t["copy"], t["gemm"])]
+    print(f"\nPart 3: balanced m = {m}: copy {statistics.median(t['copy']):.3f} ms, GEMM "
+          f"{statistics.median(t['gemm']):.3f} ms; time / (max(copy, GEMM) * (1 + 1/S)), "
+          f"median of {rounds} rounds")
+    for v in variants:
+        if v in ("copy", "gemm"):
+            continue
+        s = int(v.split("/")[1][1:])
+        print(f"  {v:>16}  {statistics.median(t[v]):7.3f} ms  "
+              f"{bench_copy.median_ratio(t[v], bound) / (1 + 1 / s):6.3f}")
+    for s in (8, 16):
+        print(f"copy-stream S={s}, {calls} calls back to back:\n"
+              f"{sustained(variants[f'copy-stream/s{s}'], s, calls)}", flush=True)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--parts", default="1,2,3")
+    parser.add_argument("--calls", type=int, default=5, help="calls traced in part 3")
     parser.add_argument("--sm", default="0,120,100",
                         help="gemm_sm_count values (0 = all SMs)")
     args = parser.parse_args()
@@ -148,8 +189,13 @@ def main() -> int:
     w_host = torch.randn(K, N, dtype=DTYPE).pin_memory()
     w_dev = w_host.to("cuda")
     m, _, _ = bench_copy.tune_m(w_host, w_dev)
-    part1(w_host, m, sms, args.rounds)
-    part2(w_host, w_dev, m, sms, args.rounds)
+    parts = args.parts.split(",")
+    if "1" in parts:
+        part1(w_host, m, sms, args.rounds)
+    if "2" in parts:
+        part2(w_host, w_dev, m, sms, args.rounds)
+    if "3" in parts:
+        part3(w_host, w_dev, m, args.rounds, args.calls)
     return 0
 
 
