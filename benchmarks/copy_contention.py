@@ -174,10 +174,40 @@ def part3(w_host: torch.Tensor, w_dev: torch.Tensor, m: int, rounds: int,
               f"{sustained(variants[f'copy-stream/s{s}'], s, calls)}", flush=True)
 
 
+def part4(w_host: torch.Tensor, m: int, rounds: int, buffers: int = 4) -> None:
+    """One pinned buffer read call after call, against ``buffers`` of them in turn (as a
+    model whose layers' weights stream in one after another reads them): copy alone and
+    the op at S = 16, interleaved. A difference is the host side's (address translation
+    of pinned pages), not the GPU's."""
+    x = torch.randn(m, K, device="cuda", dtype=DTYPE)
+    w_dev = torch.empty(K, N, device="cuda", dtype=DTYPE)
+    rows = [w_host] + [torch.randn(K, N, dtype=DTYPE).pin_memory() for _ in range(buffers - 1)]
+    cols = [w.t().contiguous().pin_memory().t() for w in rows]
+    op = bench_copy.op_for(16)
+    turn = {"copy": 0, "op": 0}
+
+    def next_of(what: str, ws: list[torch.Tensor]) -> torch.Tensor:
+        turn[what] = (turn[what] + 1) % len(ws)
+        return ws[turn[what]]
+
+    variants: dict[str, Callable[[], object]] = {
+        "copy, one buffer": lambda: w_dev.copy_(rows[0], non_blocking=True),
+        f"copy, {buffers} in turn": lambda: w_dev.copy_(next_of("copy", rows),
+                                                        non_blocking=True),
+        "op S=16, one w": lambda: op(x, cols[0]),
+        f"op S=16, {buffers} in turn": lambda: op(x, next_of("op", cols)),
+    }
+    t = bench_copy.interleaved(variants, rounds, 15.0, 1.0)
+    print(f"\nPart 4: one pinned buffer against {buffers} in turn, m = {m}, median of "
+          f"{rounds} rounds")
+    for v in variants:
+        print(f"  {v:>22}  {statistics.median(t[v]):7.3f} ms")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--parts", default="1,2,3")
+    parser.add_argument("--parts", default="1,2,3,4")
     parser.add_argument("--calls", type=int, default=5, help="calls traced in part 3")
     parser.add_argument("--sm", default="0,120,100",
                         help="gemm_sm_count values (0 = all SMs)")
@@ -196,6 +226,8 @@ def main() -> int:
         part2(w_host, w_dev, m, sms, args.rounds)
     if "3" in parts:
         part3(w_host, w_dev, m, args.rounds, args.calls)
+    if "4" in parts:
+        part4(w_host, m, args.rounds)
     return 0
 
 
