@@ -382,3 +382,31 @@ def test_bench_overlap_trace_draws_and_reports(tmp_path, monkeypatch):
     assert "collective time hidden under GEMMs: measured 50.0 %, planned 50.0 %" in report
     assert [p.name for p in tmp_path.iterdir()] == [
         f"overlap_trace_{case['pattern']}_{case['shape'][0]}_s2.png"]
+
+
+def test_copy_trace_splits_a_sustained_trace_into_calls(monkeypatch):
+    """Two calls of two slices each, by hand: copies of 300 us, GEMMs of 250 us after
+    them; the second copy of a call starts 5 us after the first ends, and the next call
+    starts 45 us after the last GEMM of the one before."""
+    import copy_trace
+
+    from codegen.timeline import KernelEvent
+
+    events = []
+    for c in range(2):
+        t = 900.0 * c
+        events += [KernelEvent("Memcpy HtoD", 1, t, 300, "HtoD", 300 * 55_000),
+                   KernelEvent("gemm", 1, t + 300, 250),
+                   KernelEvent("Memcpy HtoD", 2, t + 305, 300, "HtoD", 300 * 55_000),
+                   KernelEvent("gemm", 2, t + 605, 250),
+                   KernelEvent("memset", 2, t + 604, 1, "memset")]
+    calls = []
+    monkeypatch.setattr(copy_trace, "profile_gpu",
+                        lambda fn, warmup: calls.append(fn) or sorted(
+                            events, key=lambda e: e.start_us))
+    lines = copy_trace.sustained(lambda: None, copies_per_call=2, calls=2).splitlines()
+    assert len(calls) == 1
+    rows = [line.split() for line in lines[1:3]]
+    # call, period, copy busy, GB/s, GEMM busy, exposed (GEMM with no copy), idle, memsets
+    assert rows[0] == ["0", "900.0", "600.0", "55.0", "500.0", "255.0", "45.0", "1"]
+    assert rows[1] == ["1", "855.0", "600.0", "55.0", "500.0", "255.0", "0.0", "1"]
