@@ -9,7 +9,8 @@ against 55 GB/s alone. This asks why, in two parts, for k = n = 8192 bf16:
 
 1. **Copy rate under a load.** 128 MiB of pinned memory copied to the GPU as 16 1-D
    copies of 8 MiB on one stream, back to back, timed by CUDA events on that stream,
-   while another stream runs a load that outlasts them: nothing; a sleep kernel (one
+   (each to its own place, or into 4 reused slots as the op's copies go) while another
+   stream runs a load that outlasts them: nothing; a sleep kernel (one
    SM, no memory traffic); the op's GEMM slice (x [m, k] @ a column-major [k, n/16]
    slot, through a one-slice program built with ``gemm_sm_count`` = each of ``--sm``);
    the Python pipeline's (torch.matmul with a row-major slot). GB/s, median of rounds.
@@ -44,11 +45,14 @@ COPIES = 16  # chunks of the 128 MiB copy in part 1
 
 
 def copy_rate_under(load: Callable[[], None] | None, w_host: torch.Tensor,
-                    dst: torch.Tensor) -> float:
+                    dst: torch.Tensor, slots: int = COPIES) -> float:
     """GB/s of COPIES back-to-back 1-D copies of w_host into dst on a copy stream, while
-    ``load`` (queued first, on its own stream) runs."""
+    ``load`` (queued first, on its own stream) runs; copy i goes to dst's chunk
+    i % ``slots`` (COPIES: each to its own place, as in a whole-tensor copy; fewer: into
+    reused staging slots, as the op's copies do)."""
     copy_stream, load_stream = torch.cuda.Stream(), torch.cuda.Stream()
-    src, out = w_host.view(-1).chunk(COPIES), dst.view(-1).chunk(COPIES)
+    src, chunks = w_host.view(-1).chunk(COPIES), dst.view(-1).chunk(COPIES)
+    out = [chunks[i % slots] for i in range(COPIES)]
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     torch.cuda.synchronize()
     if load is not None:
@@ -90,16 +94,19 @@ def part1(w_host: torch.Tensor, m: int, sms: list[int], rounds: int) -> None:
                         pool_size=1, gemm_sm_count=sm)
         loads[f"op GEMM, col-major slot, sm={sm or 'all'}"] = repeat(
             lambda op=op: op(x, slot_col))
-    names = list(loads)
-    rates: dict[str, list[float]] = {v: [] for v in names}
+    cases = {(v, slots) for v in loads for slots in (COPIES, POOL)}
+    names = sorted(cases, key=lambda c: (list(loads).index(c[0]), -c[1]))
+    rates: dict[tuple[str, int], list[float]] = {c: [] for c in names}
     for r in range(rounds):
-        for v in rotated(names, r):
-            rates[v].append(copy_rate_under(loads[v], w_host, dst))
+        for v, slots in rotated(names, r):
+            rates[v, slots].append(copy_rate_under(loads[v], w_host, dst, slots))
     print(f"Part 1: GB/s of {COPIES} back-to-back 1-D host-to-device copies (128 MiB) "
-          f"under a load on another stream, m = {m}, median of {rounds} rounds")
-    for v in names:
-        print(f"  {v:>40}  {statistics.median(rates[v]):6.1f}  "
-              f"(min {min(rates[v]):.1f}, max {max(rates[v]):.1f})")
+          f"under a load on another stream, m = {m}, median of {rounds} rounds; into "
+          f"{COPIES} places, or {POOL} reused slots")
+    for v, slots in names:
+        r = rates[v, slots]
+        print(f"  {v:>40}  {slots:>2} {statistics.median(r):6.1f}  "
+              f"(min {min(r):.1f}, max {max(r):.1f})")
 
 
 def part2(w_host: torch.Tensor, w_dev: torch.Tensor, m: int, sms: list[int],
