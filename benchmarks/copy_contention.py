@@ -17,6 +17,16 @@ against 55 GB/s alone. This asks why, in two parts, for k = n = 8192 bf16:
 2. **The op with an SM budget.** The op at S = 8 and 16 (1-D slices) built with each
    ``gemm_sm_count``, interleaved with the Python pipeline, copy alone and GEMM alone on
    the balanced shape: time / (max(copy, GEMM) * (1 + 1/S)), the P4 floor.
+3. **One copy stream.** The op and the Python pipeline against the same pipeline with
+   every copy on one copy stream (``bench_copy.PythonCopyStreamPipeline``), at S = 4, 8,
+   16, interleaved; then ``--calls`` calls of the latter traced back to back.
+4. **Which pinned buffer.** Copy alone and the op at S = 16 reading one w call after
+   call, against four in turn.
+
+What it showed on the H200 (README, "Measured on the H200"; ``results/copy_contention.txt``):
+the copies kept 53.5-54.1 GB/s under every load, into new places or reused slots; an SM
+budget made the op slower; one copy stream was no better than the op or the pipeline
+(its traced copies moved 51-52.5 GB/s, like theirs); the buffer read made no difference.
 """
 
 from __future__ import annotations
