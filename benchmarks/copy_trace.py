@@ -41,7 +41,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 from bench_copy import DTYPE, K, N, PythonCopyPipeline, op_for  # noqa: E402
 
 import codegen as cg  # noqa: E402
-from codegen.timeline import COPIES, KernelEvent, profile_gpu  # noqa: E402
+from codegen.timeline import COPIES, KernelEvent, covered, profile_gpu, union  # noqa: E402
 
 
 def trace(op: cg.CompiledOp, x: torch.Tensor, w: torch.Tensor) -> str:
@@ -58,20 +58,6 @@ def trace(op: cg.CompiledOp, x: torch.Tensor, w: torch.Tensor) -> str:
     return "\n".join(lines)
 
 
-def _union_us(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    merged: list[tuple[float, float]] = []
-    for a, b in sorted(intervals):
-        if merged and a <= merged[-1][1]:
-            merged[-1] = (merged[-1][0], max(merged[-1][1], b))
-        else:
-            merged.append((a, b))
-    return merged
-
-
-def _within(union: list[tuple[float, float]], a: float, b: float) -> float:
-    return sum(max(0.0, min(b, e) - max(a, s)) for s, e in union)
-
-
 def sustained(fn: Callable[[], object], copies_per_call: int, calls: int) -> str:
     """One line per call of ``calls`` back-to-back calls of ``fn`` (traced together after
     a warm-up): a call runs from its first host-to-device copy to the next call's."""
@@ -80,21 +66,21 @@ def sustained(fn: Callable[[], object], copies_per_call: int, calls: int) -> str
     work = [e for e in events if e.kind != "memset"]
     starts = [copies[c * copies_per_call].start_us for c in range(calls)]
     starts.append(max(e.end_us for e in work))
-    copy_union = _union_us([(e.start_us, e.end_us) for e in copies])
-    gemm_union = _union_us([(e.start_us, e.end_us) for e in work if e.kind not in COPIES])
-    busy_union = _union_us(copy_union + gemm_union)
+    copy_union = union([(e.start_us, e.end_us) for e in copies])
+    gemm_union = union([(e.start_us, e.end_us) for e in work if e.kind not in COPIES])
+    busy_union = union(copy_union + gemm_union)
     lines = [f"  {'call':>4} {'period':>8} {'copy':>8} {'GB/s':>6} {'GEMM':>8} "
              f"{'exposed':>8} {'idle':>7} {'memsets':>7}"]
     for c in range(calls):
         a, b = starts[c], starts[c + 1]
         mine = [e for e in copies if a <= e.start_us < b]
-        copy_us = _within(copy_union, a, b)
+        copy_us = covered(a, b, copy_union)
         nbytes = sum(e.nbytes for e in mine)
-        gemm_us = _within(gemm_union, a, b)
-        both = sum(_within(copy_union, max(s, a), min(e, b)) for s, e in gemm_union
+        gemm_us = covered(a, b, gemm_union)
+        both = sum(covered(max(s, a), min(e, b), copy_union) for s, e in gemm_union
                    if max(s, a) < min(e, b))
         exposed = gemm_us - both
-        idle = (b - a) - _within(busy_union, a, b)
+        idle = (b - a) - covered(a, b, busy_union)
         memsets = sum(1 for e in events if e.kind == "memset" and a <= e.start_us < b)
         lines.append(f"  {c:>4} {b - a:8.1f} {copy_us:8.1f} {nbytes / copy_us / 1e3:6.1f} "
                      f"{gemm_us:8.1f} {exposed:8.1f} {idle:7.1f} {memsets:>7}")

@@ -92,7 +92,8 @@ def profile_kernels(fn: Callable[[], object], warmup: int = 2) -> list[KernelEve
 # ---------------------------------------------------------------------------- overlap
 
 
-def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+def union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The (start, end) intervals merged where they overlap or touch, sorted."""
     merged: list[tuple[float, float]] = []
     for start, end in sorted(intervals):
         if merged and start <= merged[-1][1]:
@@ -102,8 +103,9 @@ def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
     return merged
 
 
-def _covered(start: float, end: float, union: list[tuple[float, float]]) -> float:
-    return sum(max(0.0, min(end, e) - max(start, s)) for s, e in union)
+def covered(start: float, end: float, intervals: list[tuple[float, float]]) -> float:
+    """How much of [start, end) the disjoint ``intervals`` (a ``union``) cover."""
+    return sum(max(0.0, min(end, e) - max(start, s)) for s, e in intervals)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,15 +129,15 @@ def measure_overlap(events: list[KernelEvent]) -> Overlap:
     some GEMM kernel ran, over their total time. Every other kernel of a codegen op is a
     GEMM (cuBLAS), so kernels stand for GEMMs; memsets (empty reductions) do not."""
     gemms = [e for e in events if e.kind == "kernel"]
-    union = _union([(e.start_us, e.end_us) for e in gemms])
+    gemm_time = union([(e.start_us, e.end_us) for e in gemms])
     copies = [e for e in events if e.kind in TRANSFERS]
     per_kind: dict[str, tuple[int, int, float]] = {}
     for e in copies:
         count, nbytes, busy = per_kind.get(e.kind, (0, 0, 0.0))
         per_kind[e.kind] = (count + 1, nbytes + e.nbytes, busy + e.duration_us)
-    return Overlap(per_kind, sum(e - s for s, e in union), len(gemms),
+    return Overlap(per_kind, sum(e - s for s, e in gemm_time), len(gemms),
                    sum(e.duration_us for e in copies),
-                   sum(_covered(e.start_us, e.end_us, union) for e in copies))
+                   sum(covered(e.start_us, e.end_us, gemm_time) for e in copies))
 
 
 def planned_hidden(copy_us: dict[str, float], gemm_us: float, slices: int,
