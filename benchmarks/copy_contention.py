@@ -119,29 +119,33 @@ def part1(w_host: torch.Tensor, m: int, sms: list[int], rounds: int) -> None:
               f"(min {min(r):.1f}, max {max(r):.1f})")
 
 
-def part2(w_host: torch.Tensor, w_dev: torch.Tensor, m: int, sms: list[int],
-          rounds: int) -> None:
+def _balanced(w_host: torch.Tensor, w_dev: torch.Tensor, m: int,
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, Callable[[], object]]]:
+    """x [m, K] on the GPU, w stored column-major in pinned memory (dense slices), the
+    fp32 reference x @ w, and the two variants every floor needs: copy alone, GEMM alone."""
     x = torch.randn(m, K, device="cuda", dtype=DTYPE)
     out = torch.empty(m, N, device="cuda", dtype=DTYPE)
     w_col = w_host.t().contiguous().pin_memory().t()
-    ref = torch.matmul(x, w_dev).float()
     variants: dict[str, Callable[[], object]] = {
         "copy": lambda: w_dev.copy_(w_host, non_blocking=True),
         "gemm": lambda: torch.matmul(x, w_dev, out=out),
     }
-    for s in (8, 16):
-        pipeline = PythonCopyPipeline(w_host, s)
-        variants[f"python/s{s}"] = lambda p=pipeline: p(x)
-        for sm in sms:
-            op = cg.compile(examples.stream_weights(DTYPE, s, name=f"stream_weights_sm{sm}"),
-                            pool_size=POOL, gemm_sm_count=sm)
-            err = ((op(x, w_col).float() - ref).norm() / ref.norm()).item()
-            if not err < 2e-2:
-                print(f"WARNING op S={s} sm={sm}: relative error {err:.3g}")
-            variants[f"op/s{s}/sm{sm}"] = lambda op=op: op(x, w_col)
+    return x, w_col, torch.matmul(x, w_dev).float(), variants
+
+
+def _check(what: str, y: torch.Tensor, ref: torch.Tensor) -> None:
+    err = ((y.float() - ref).norm() / ref.norm()).item()
+    if not err < 2e-2:
+        print(f"WARNING {what}: relative error {err:.3g} against fp32")
+
+
+def _time_against_floor(title: str, variants: dict[str, Callable[[], object]],
+                        rounds: int) -> None:
+    """Times ``variants`` interleaved and prints each one (named ``what/s<S>...``) over
+    its floor max(copy, GEMM) * (1 + 1/S)."""
     t = bench_copy.interleaved(variants, rounds, 15.0, 1.5)
     bound = [max(c, g) for c, g in zip(t["copy"], t["gemm"])]
-    print(f"\nPart 2: balanced m = {m}: copy {statistics.median(t['copy']):.3f} ms, GEMM "
+    print(f"\n{title}: copy {statistics.median(t['copy']):.3f} ms, GEMM "
           f"{statistics.median(t['gemm']):.3f} ms; time / (max(copy, GEMM) * (1 + 1/S)), "
           f"median of {rounds} rounds")
     for v in variants:
@@ -150,6 +154,21 @@ def part2(w_host: torch.Tensor, w_dev: torch.Tensor, m: int, sms: list[int],
         s = int(v.split("/")[1][1:])
         print(f"  {v:>16}  {statistics.median(t[v]):7.3f} ms  "
               f"{bench_copy.median_ratio(t[v], bound) / (1 + 1 / s):6.3f}")
+
+
+def part2(w_host: torch.Tensor, w_dev: torch.Tensor, m: int, sms: list[int],
+          rounds: int) -> None:
+    """The op at S = 8 and 16 with each GEMM SM budget, against the Python pipeline."""
+    x, w_col, ref, variants = _balanced(w_host, w_dev, m)
+    for s in (8, 16):
+        pipeline = PythonCopyPipeline(w_host, s)
+        variants[f"python/s{s}"] = lambda p=pipeline: p(x)
+        for sm in sms:
+            op = cg.compile(examples.stream_weights(DTYPE, s, name=f"stream_weights_sm{sm}"),
+                            pool_size=POOL, gemm_sm_count=sm)
+            _check(f"op S={s} sm={sm}", op(x, w_col), ref)
+            variants[f"op/s{s}/sm{sm}"] = lambda op=op: op(x, w_col)
+    _time_against_floor(f"Part 2: balanced m = {m}", variants, rounds)
 
 
 def part3(w_host: torch.Tensor, w_dev: torch.Tensor, m: int, rounds: int,
@@ -157,35 +176,15 @@ def part3(w_host: torch.Tensor, w_dev: torch.Tensor, m: int, rounds: int,
     """The op and the Python pipeline against the Python pipeline with one copy stream."""
     from copy_trace import sustained
 
-    x = torch.randn(m, K, device="cuda", dtype=DTYPE)
-    out = torch.empty(m, N, device="cuda", dtype=DTYPE)
-    w_col = w_host.t().contiguous().pin_memory().t()
-    ref = torch.matmul(x, w_dev).float()
-    variants: dict[str, Callable[[], object]] = {
-        "copy": lambda: w_dev.copy_(w_host, non_blocking=True),
-        "gemm": lambda: torch.matmul(x, w_dev, out=out),
-    }
+    x, w_col, ref, variants = _balanced(w_host, w_dev, m)
     for s in (4, 8, 16):
         op = bench_copy.op_for(s)
-        streamed = PythonCopyStreamPipeline(w_host, s)
-        err = ((streamed(x).float() - ref).norm() / ref.norm()).item()
-        if not err < 2e-2:
-            print(f"WARNING copy-stream pipeline S={s}: relative error {err:.3g}")
+        plain, streamed = PythonCopyPipeline(w_host, s), PythonCopyStreamPipeline(w_host, s)
+        _check(f"copy-stream pipeline S={s}", streamed(x), ref)
         variants[f"op/s{s}"] = lambda op=op: op(x, w_col)
-        plain = PythonCopyPipeline(w_host, s)
         variants[f"python/s{s}"] = lambda p=plain: p(x)
         variants[f"copy-stream/s{s}"] = lambda p=streamed: p(x)
-    t = bench_copy.interleaved(variants, rounds, 15.0, 1.5)
-    bound = [max(c, g) for c, g in zip(t["copy"], t["gemm"])]
-    print(f"\nPart 3: balanced m = {m}: copy {statistics.median(t['copy']):.3f} ms, GEMM "
-          f"{statistics.median(t['gemm']):.3f} ms; time / (max(copy, GEMM) * (1 + 1/S)), "
-          f"median of {rounds} rounds")
-    for v in variants:
-        if v in ("copy", "gemm"):
-            continue
-        s = int(v.split("/")[1][1:])
-        print(f"  {v:>16}  {statistics.median(t[v]):7.3f} ms  "
-              f"{bench_copy.median_ratio(t[v], bound) / (1 + 1 / s):6.3f}")
+    _time_against_floor(f"Part 3: balanced m = {m}", variants, rounds)
     for s in (8, 16):
         print(f"copy-stream S={s}, {calls} calls back to back:\n"
               f"{sustained(variants[f'copy-stream/s{s}'], s, calls)}", flush=True)
