@@ -234,7 +234,12 @@ def _input_checks(program: hir.HostProgram, names: _Names) -> dict[str, Any]:
         dims.append({"bind": "", "cond": f"{lhs} == {rhs}", "message": _message(
             f": {k.what} must have equal sizes, got {k.lhs} = ", f"{{{lhs}}}",
             f" and {k.rhs} = ", f"{{{rhs}}}")})
-    layouts = [{"name": names(t.name), "arg": _cstr(t.name)} for t in program.inputs]
+    # cuBLAS reads GPU inputs in place, so their layout must suit it (check_matrix). A
+    # host input is read through its copies into dense GPU memory (copy.h), which take
+    # any 2-D layout (check_copyable).
+    layouts = [{"name": names(t.name), "arg": _cstr(t.name),
+                "check": "check_copyable" if t.device == "cpu" else "check_matrix"}
+               for t in program.inputs]
     return {"inputs": inputs, "host_inputs": host_inputs, "device": device,
             "same_device": same_device, "dims": dims, "layouts": layouts}
 

@@ -358,6 +358,19 @@ def test_evaluate_transposed_host_input():
     assert torch.equal(cg.evaluate(program, [x, w])[0], x @ w)
 
 
+@pytest.mark.parametrize("layout", ["every other column", "expanded column"])
+def test_evaluate_host_input_in_a_layout_cublas_cannot_read(layout):
+    """A host input is read through its copy, so layouts that a GEMM could not read in
+    place (no stride 1) are fine; the compiled op takes them too (test_copy_gpu)."""
+    program = cg.lower(ex.stream_weights(torch.float32, 3))
+    x = ints(6, 5)
+    w = ints(5, 22)[:, ::2] if layout == "every other column" else ints(5, 1).expand(5, 11)
+    row_major = w.stride(1) == 1 and w.stride(0) >= w.shape[1]
+    column_major = w.stride(0) == 1 and w.stride(1) >= w.shape[0]
+    assert not row_major and not column_major  # what gemm.h's check_matrix refuses
+    assert torch.equal(cg.evaluate(program, [x, w])[0], x @ w)
+
+
 def test_all_inputs_in_host_memory_run_on_the_cpu_without_cuda():
     program = cg.lower(host_reads_whole())
     x, w = ints(4, 6), ints(6, 8)
@@ -501,6 +514,11 @@ def test_stream_weights_cpp():
     assert "rt::copy(T1_s, T1_i, cudaMemcpyHostToDevice, streams.current(), op);" in lines
     assert 'const rt::Range range(op, "i", i, "Matmul(T0, T1_s, out=T2_i)");' in lines
     assert "rt::synchronize" not in source  # GPU output: no host wait
+    # cuBLAS reads T0 in place, so its layout must suit cuBLAS; T1 is read through its
+    # copies, so its layout must suit them (any 2-D one does).
+    assert 'rt::check_matrix(T0, op, "T0");' in lines
+    assert 'rt::check_copyable(T1, op, "T1");' in lines
+    assert not any("check_matrix(T1" in line for line in lines)
     # The pinned inputs are kept by an object declared before the call's streams (so it
     # is destroyed after they joined the caller's stream).
     assert source.index("rt::HostTensors host_tensors") < source.index("rt::Streams streams")

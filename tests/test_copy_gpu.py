@@ -169,18 +169,25 @@ def test_op_bf16_random_close_to_torch():
     assert ((out - ref).norm() / ref.norm()).item() < 2e-2
 
 
-@pytest.mark.parametrize("layout", ["transposed", "column block", "padded transposed"])
+@pytest.mark.parametrize("layout", ["transposed", "column block", "padded transposed",
+                                    "every other column", "expanded column"])
 def test_op_host_weight_layouts(layout):
     """Column-major (a transposed nn.Linear weight) and row-padded host weights: slots
-    take the host order, one 1-D or 2-D copy per slice, no .contiguous() needed."""
+    take the host order, one 1-D or 2-D copy per slice, no .contiguous() needed. Layouts
+    cuBLAS could not read in place (no stride 1: every other column, an expanded
+    column) are copied too, a 2-D copy of one-element rows or a copy per column."""
     op = op_of(ex.stream_weights, torch.float32, 3)
     x = ints(20, 24, device=CUDA)
     if layout == "transposed":
         w = ints(50, 24).pin_memory().t()
     elif layout == "column block":
         w = ints(24, 80).pin_memory()[:, 7:57]
-    else:
+    elif layout == "padded transposed":
         w = ints(50, 30).pin_memory()[:, 3:27].t()
+    elif layout == "every other column":
+        w = ints(24, 100).pin_memory()[:, ::2]
+    else:
+        w = ints(24, 1).pin_memory().expand(24, 50)
     assert not w.is_contiguous()
     assert torch.equal(op(x, w).cpu(), x.cpu() @ w)
 
@@ -193,6 +200,23 @@ def test_op_batched_host_operand_and_output():
     w = ints(7, 6, 4, device=CUDA)
     out = op(a, w)
     assert out.device.type == "cpu" and torch.equal(out, a @ w.cpu())
+
+
+def test_op_host_operand_its_copies_cannot_move_is_refused_by_name():
+    """A 3-D host operand strided in all three dims, none dense across the next, would
+    need a 2-D copy per row of each matrix: refused before anything is queued, naming
+    the argument; the same values made contiguous run."""
+    from test_copy import batched_host_operand
+
+    op = op_of(batched_host_operand)
+    a = ints(14, 10, 12).pin_memory()[::2, ::2, ::2]
+    w = ints(7, 6, 4, device=CUDA)
+    assert a.shape == (7, 5, 6) and a.stride() == (240, 24, 2)
+    with pytest.raises(RuntimeError, match=r"argument T0 has sizes \[7, 5, 6\] and strides "
+                                           r"\[240, 24, 2\].*Pass T0\.contiguous\(\)"):
+        op(a, w)
+    good = a.contiguous().pin_memory()
+    assert torch.equal(op(good, w), good @ w.cpu())
 
 
 def test_op_all_inputs_in_host_memory_run_on_the_current_gpu():

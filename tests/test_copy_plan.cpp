@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstring>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -123,6 +124,9 @@ int main() {
       check("column-major padded", 2, {13, 7}, {1, 16}, 112, axis, slices);
       check("one row", 2, {1, 7}, {7, 1}, 7, axis, slices);
       check("one column strided", 2, {13, 1}, {5, 1}, 65, axis, slices);
+      // Layouts cuBLAS cannot read in place, which a host input may have (check_copyable).
+      check("every other column", 2, {13, 7}, {14, 2}, 182, axis, slices);
+      check("expanded column", 2, {13, 7}, {1, 0}, 13, axis, slices);
     }
     for (int axis : {0, 1, 2}) {
       check("batched", 3, {5, 4, 3}, {12, 3, 1}, 60, axis, slices);
@@ -168,6 +172,39 @@ int main() {
                     static_cast<long long>(std::max(c.src_pitch, c.dst_pitch)),
                     static_cast<long long>(std::max(c.src_step, c.dst_step)));
       }
+    }
+  }
+  // check_copyable: every 2-D layout passes, and a 3-D one that merges into two dims; one
+  // strided in all three dims, none mergeable with the next, would need a 2-D copy per
+  // row of each matrix and is refused with the argument's name.
+  {
+    const auto copyable = [](int dim, std::vector<int64_t> sizes, std::vector<int64_t> strides,
+                             std::string* error) {
+      rt::View v;
+      v.dim = dim;
+      v.itemsize = 4;
+      for (int d = 0; d < dim; ++d) v.sizes[d] = sizes[d], v.strides[d] = strides[d];
+      try {
+        rt::check_copyable(v, "prog", "T0");
+        return true;
+      } catch (const std::runtime_error& e) {
+        *error = e.what();
+        return false;
+      }
+    };
+    std::string error;
+    const bool ok = copyable(2, {13, 7}, {14, 2}, &error) &&
+                    copyable(2, {13, 7}, {1, 0}, &error) &&
+                    copyable(3, {5, 4, 3}, {12, 3, 1}, &error) &&
+                    copyable(3, {5, 4, 3}, {48, 12, 2}, &error) &&
+                    !copyable(3, {5, 4, 3}, {100, 12, 2}, &error) &&
+                    error.find("prog: argument T0 has sizes [5, 4, 3] and strides "
+                               "[100, 12, 2]") == 0 &&
+                    error.find("Pass T0.contiguous()") != std::string::npos;
+    ++cases;
+    if (!ok) {
+      ++failures;
+      std::printf("FAIL check_copyable: '%s'\n", error.c_str());
     }
   }
   std::printf("%s: %lld cases, %d failures\n", failures ? "FAILED" : "ok",

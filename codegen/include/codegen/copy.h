@@ -60,8 +60,12 @@ inline void dense_strides(View& v, bool transposed) {
   }
 }
 
-inline CopyShape copy_shape(const View& dst, const View& src, const char* op) {
-  CopyShape c;
+// The plan of a copy from `src` to `dst` (same shape) into `*out`; false if it would need
+// more than one 2-D copy per block (a 3-D view strided in all three dims, none of them
+// dense across the next).
+inline bool plan_copy(const View& dst, const View& src, CopyShape* out, const char* op) {
+  CopyShape& c = *out;
+  c = CopyShape{};
   CG_CHECK(dst.dim == src.dim && dst.itemsize == src.itemsize, op,
            ": copy between views of different ranks or dtypes (a bug in codegen)");
   struct Dim {
@@ -75,7 +79,7 @@ inline CopyShape copy_shape(const View& dst, const View& src, const char* op) {
     const int a = order[k];
     CG_CHECK(dst.sizes[a] == src.sizes[a], op, ": copy between views of shapes ", dst.shape(),
              " and ", src.shape(), " (a bug in codegen)");
-    if (src.sizes[a] == 0) return c;
+    if (src.sizes[a] == 0) return true;  // count 0: nothing to copy
     if (src.sizes[a] > 1) dims[n++] = {src.sizes[a], src.strides[a], dst.strides[a]};
   }
   // Merge a dim into the next inner one where both views are dense across them.
@@ -99,9 +103,7 @@ inline CopyShape copy_shape(const View& dst, const View& src, const char* op) {
     return stride * item >= c.width && stride * item <= kMaxPitch;
   };
   const bool rows = m > 0 && pitch_ok(dims[m - 1].s) && pitch_ok(dims[m - 1].d);
-  CG_CHECK(m - (rows ? 1 : 0) <= 1, op, ": copy of a view with sizes ", src.shape(),
-           " and strides ", Dims{src.strides, src.dim}, " needs more than one 2-D copy per "
-           "block; pass a .contiguous() tensor");
+  if (m - (rows ? 1 : 0) > 1) return false;
   c.count = 1;
   c.height = 1;
   c.src_pitch = c.dst_pitch = c.width;
@@ -116,7 +118,27 @@ inline CopyShape copy_shape(const View& dst, const View& src, const char* op) {
     c.src_step = dims[0].s * item;
     c.dst_step = dims[0].d * item;
   }
+  return true;
+}
+
+inline CopyShape copy_shape(const View& dst, const View& src, const char* op) {
+  CopyShape c;
+  CG_CHECK(plan_copy(dst, src, &c, op), op, ": copy of a view with sizes ", src.shape(),
+           " and strides ", Dims{src.strides, src.dim}, " needs more than one 2-D copy per "
+           "block; pass a .contiguous() tensor");
   return c;
+}
+
+// A host input is read through its copies, not by cuBLAS, so any layout they can move
+// will do (every 2-D one). Checked on the whole tensor before anything is queued, so the
+// error names the argument; a slice's own copy checks again (copy_shape).
+inline void check_copyable(const View& t, const char* op, const char* arg) {
+  View dense = t;
+  dense_strides(dense, column_major(t));
+  CopyShape c;
+  CG_CHECK(plan_copy(dense, t, &c, op), op, ": argument ", arg, " has sizes ", t.shape(),
+           " and strides ", Dims{t.strides, t.dim}, ", which one 2-D copy per matrix cannot "
+           "move to the GPU. Pass ", arg, ".contiguous()");
 }
 
 // dst = src on `stream`; `kind` says which side is on the host.
