@@ -103,7 +103,7 @@ class PythonCopyStreamPipeline(PythonCopyPipeline):
     GEMM (on stream i % pool) waits for its copy's event, and the copy into a staging
     buffer waits for the event of the GEMM that last read it, so only one copy is ever
     eligible to run. Measured against the op and the plain pipeline in
-    copy_contention.py (part 3): no faster."""
+    copy_contention.py (part 3): not reliably faster (README, P4)."""
 
     def __init__(self, w_host: torch.Tensor, slices: int, pool: int = POOL) -> None:
         super().__init__(w_host, slices, pool)

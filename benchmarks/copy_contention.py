@@ -25,8 +25,9 @@ against 55 GB/s alone. This asks why, in two parts, for k = n = 8192 bf16:
 
 What it showed on the H200 (README, "Measured on the H200"; ``results/copy_contention.txt``):
 the copies kept 53.5-54.1 GB/s under every load, into new places or reused slots; an SM
-budget made the op slower; one copy stream was no better than the op or the pipeline
-(its traced copies moved 51-52.5 GB/s, like theirs); the buffer read made no difference.
+budget made the op slower; one copy stream was not reliably better (its traced copies
+moved 51-52.5 GB/s, like theirs; ahead at S = 16 by 1-6% in two runs, not at S <= 8);
+the buffer read made no difference.
 """
 
 from __future__ import annotations
