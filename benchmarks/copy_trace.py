@@ -63,7 +63,12 @@ def sustained(fn: Callable[[], object], copies_per_call: int, calls: int) -> str
     a warm-up): a call runs from its first host-to-device copy to the next call's."""
     events: list[KernelEvent] = profile_gpu(lambda: [fn() for _ in range(calls)], warmup=3)
     copies = [e for e in events if e.kind == "HtoD"]
+    if len(copies) != calls * copies_per_call:
+        raise RuntimeError(f"sustained: traced {len(copies)} host-to-device copies, expected "
+                           f"{calls} calls x {copies_per_call}")
     work = [e for e in events if e.kind != "memset"]
+    # A call's copies all start after the previous call's (each call joins its streams
+    # into the caller's before the next forks), so the k-th copy by start time opens a call.
     starts = [copies[c * copies_per_call].start_us for c in range(calls)]
     starts.append(max(e.end_us for e in work))
     copy_union = union([(e.start_us, e.end_us) for e in copies])
@@ -82,7 +87,8 @@ def sustained(fn: Callable[[], object], copies_per_call: int, calls: int) -> str
         exposed = gemm_us - both
         idle = (b - a) - covered(a, b, busy_union)
         memsets = sum(1 for e in events if e.kind == "memset" and a <= e.start_us < b)
-        lines.append(f"  {c:>4} {b - a:8.1f} {copy_us:8.1f} {nbytes / copy_us / 1e3:6.1f} "
+        rate = nbytes / copy_us / 1e3 if copy_us > 0 else 0.0
+        lines.append(f"  {c:>4} {b - a:8.1f} {copy_us:8.1f} {rate:6.1f} "
                      f"{gemm_us:8.1f} {exposed:8.1f} {idle:7.1f} {memsets:>7}")
     lines.append("  (us; exposed: GEMM time with no copy running; idle: neither running; "
                  "the last call ends at its last kernel)")

@@ -200,6 +200,30 @@ def _message(*parts: str) -> str:
 # ---------------------------------------------------------------------------- prepare
 
 
+def _layout_checks(program: hir.HostProgram, t: hir.TensorInfo, names: _Names,
+                   ) -> list[dict[str, str]]:
+    """The layout checks of input ``t``. cuBLAS reads a GPU input in place, so its layout
+    must suit cuBLAS (``rt::check_matrix``). A host input is read only through its copies
+    into dense GPU memory (copy.h), so its layout must suit them (``rt::check_copyable``):
+    as a whole where it is copied whole, and as its slices (a full one and the last)
+    for each way a stream loop slices it."""
+    check = {"name": names(t.name), "arg": _cstr(t.name), "check": "check_matrix", "slices": ""}
+    if t.device != "cpu":
+        return [check]
+    check["check"] = "check_copyable"
+    ways: list[str] = []
+    for n in program.nodes():
+        if isinstance(n, hir.ShardByStream) and n.tensor == t.name:
+            way = f", /*axis=*/{n.axis}, {names.expr(n.chunk)}"
+        elif isinstance(n, hir.Copy) and n.src == t.name:
+            way = ""
+        else:
+            continue
+        if way not in ways:
+            ways.append(way)
+    return [{**check, "slices": way} for way in ways or [""]]
+
+
 def _input_checks(program: hir.HostProgram, names: _Names) -> dict[str, Any]:
     """Inputs on the GPU are checked first (``rt::input``: CUDA tensors, all on one
     device, which is the op's device); then host inputs (``rt::host_input``: CPU tensors,
@@ -234,12 +258,7 @@ def _input_checks(program: hir.HostProgram, names: _Names) -> dict[str, Any]:
         dims.append({"bind": "", "cond": f"{lhs} == {rhs}", "message": _message(
             f": {k.what} must have equal sizes, got {k.lhs} = ", f"{{{lhs}}}",
             f" and {k.rhs} = ", f"{{{rhs}}}")})
-    # cuBLAS reads GPU inputs in place, so their layout must suit it (check_matrix). A
-    # host input is read through its copies into dense GPU memory (copy.h), which take
-    # any 2-D layout (check_copyable).
-    layouts = [{"name": names(t.name), "arg": _cstr(t.name),
-                "check": "check_copyable" if t.device == "cpu" else "check_matrix"}
-               for t in program.inputs]
+    layouts = [layout for t in program.inputs for layout in _layout_checks(program, t, names)]
     return {"inputs": inputs, "host_inputs": host_inputs, "device": device,
             "same_device": same_device, "dims": dims, "layouts": layouts}
 

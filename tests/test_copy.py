@@ -360,8 +360,9 @@ def test_evaluate_transposed_host_input():
 
 @pytest.mark.parametrize("layout", ["every other column", "expanded column"])
 def test_evaluate_host_input_in_a_layout_cublas_cannot_read(layout):
-    """A host input is read through its copy, so layouts that a GEMM could not read in
-    place (no stride 1) are fine; the compiled op takes them too (test_copy_gpu)."""
+    """The reference semantics for layouts a GEMM could not read in place (no stride 1):
+    the evaluator copies them like any other. The compiled op's check for them is
+    check_copyable (test_copy_plan.cpp, and test_copy_gpu runs the op on them)."""
     program = cg.lower(ex.stream_weights(torch.float32, 3))
     x = ints(6, 5)
     w = ints(5, 22)[:, ::2] if layout == "every other column" else ints(5, 1).expand(5, 11)
@@ -515,13 +516,23 @@ def test_stream_weights_cpp():
     assert 'const rt::Range range(op, "i", i, "Matmul(T0, T1_s, out=T2_i)");' in lines
     assert "rt::synchronize" not in source  # GPU output: no host wait
     # cuBLAS reads T0 in place, so its layout must suit cuBLAS; T1 is read through its
-    # copies, so its layout must suit them (any 2-D one does).
+    # copies, slices of ceil(n / 8) columns, so their layout must suit those copies.
     assert 'rt::check_matrix(T0, op, "T0");' in lines
-    assert 'rt::check_copyable(T1, op, "T1");' in lines
+    assert 'rt::check_copyable(T1, op, "T1", /*axis=*/1, rt::ceil_div(n, 8));' in lines
     assert not any("check_matrix(T1" in line for line in lines)
     # The pinned inputs are kept by an object declared before the call's streams (so it
     # is destroyed after they joined the caller's stream).
     assert source.index("rt::HostTensors host_tensors") < source.index("rt::Streams streams")
+
+
+def test_host_input_read_whole_is_checked_whole_and_a_sliced_one_by_its_slices():
+    _, source = cpp_of(host_reads_whole())
+    lines = [line.strip() for line in source.splitlines()]
+    checks = [line for line in lines if line.startswith("rt::check_")]
+    assert checks == ['rt::check_copyable(T0, op, "T0");',
+                      'rt::check_copyable(T1, op, "T1", /*axis=*/1, rt::ceil_div(n, 3));']
+    # Before anything is queued: the checks come before the streams exist.
+    assert source.index("rt::check_copyable(T1") < source.index("rt::Streams streams")
 
 
 def test_offload_activations_cpp():

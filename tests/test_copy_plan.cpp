@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstring>
+#include <functional>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -127,6 +128,8 @@ int main() {
       // Layouts cuBLAS cannot read in place, which a host input may have (check_copyable).
       check("every other column", 2, {13, 7}, {14, 2}, 182, axis, slices);
       check("expanded column", 2, {13, 7}, {1, 0}, 13, axis, slices);
+      check("expanded column of a row-major matrix", 2, {13, 7}, {5, 0}, 65, axis, slices);
+      check("expanded row", 2, {13, 7}, {0, 1}, 7, axis, slices);
     }
     for (int axis : {0, 1, 2}) {
       check("batched", 3, {5, 4, 3}, {12, 3, 1}, 60, axis, slices);
@@ -134,6 +137,8 @@ int main() {
       check("batched column-major", 3, {5, 4, 3}, {12, 1, 4}, 60, axis, slices);
       check("batch permuted", 3, {5, 4, 3}, {3, 15, 1}, 60, axis, slices);
       check("batch expanded", 3, {5, 4, 3}, {0, 3, 1}, 12, axis, slices);
+      check("rows broadcast", 3, {5, 4, 3}, {3, 0, 1}, 15, axis, slices);
+      check("every other element", 3, {5, 4, 3}, {24, 6, 2}, 120, axis, slices);
     }
     check("vector", 1, {13}, {1}, 13, 0, slices);
     check("vector strided", 1, {13}, {3}, 39, 0, slices);
@@ -174,37 +179,81 @@ int main() {
       }
     }
   }
-  // check_copyable: every 2-D layout passes, and a 3-D one that merges into two dims; one
-  // strided in all three dims, none mergeable with the next, would need a 2-D copy per
-  // row of each matrix and is refused with the argument's name.
+  // check_copyable refuses a layout exactly when one of the copies the op would issue
+  // (the whole tensor, or every slice of a split) has no plan; when it accepts, every
+  // slice copies exactly (check() above), and its message names the argument.
   {
-    const auto copyable = [](int dim, std::vector<int64_t> sizes, std::vector<int64_t> strides,
-                             std::string* error) {
+    struct Layout {
+      int dim;
+      std::vector<int64_t> sizes, strides;
+      int64_t storage;
+    };
+    const std::vector<Layout> layouts = {
+        {2, {13, 7}, {14, 2}, 182},       {2, {13, 7}, {5, 0}, 65},
+        {3, {5, 4, 6}, {24, 6, 1}, 120},  {3, {5, 4, 3}, {24, 6, 2}, 120},
+        {3, {5, 4, 3}, {48, 12, 2}, 240}, {3, {5, 4, 3}, {100, 12, 2}, 500},
+        {3, {7, 5, 6}, {240, 24, 2}, 1680}, {3, {5, 4, 3}, {12, 1, 5}, 60},
+        {3, {6, 4, 3}, {0, 6, 2}, 24},
+        // Split in two along axis 1 (chunk 4, last 3): the batch merges into a full
+        // slice's rows (28 = 4 * 7) but not into the last one's.
+        {3, {3, 7, 3}, {28, 7, 2}, 103}};
+    const auto view = [](const Layout& l) {
       rt::View v;
-      v.dim = dim;
+      v.dim = l.dim;
       v.itemsize = 4;
-      for (int d = 0; d < dim; ++d) v.sizes[d] = sizes[d], v.strides[d] = strides[d];
+      for (int d = 0; d < l.dim; ++d) v.sizes[d] = l.sizes[d], v.strides[d] = l.strides[d];
+      return v;
+    };
+    const auto refusal = [](const std::function<void()>& fn) {
       try {
-        rt::check_copyable(v, "prog", "T0");
-        return true;
+        fn();
+        return std::string();
       } catch (const std::runtime_error& e) {
-        *error = e.what();
-        return false;
+        return std::string(e.what());
       }
     };
-    std::string error;
-    const bool ok = copyable(2, {13, 7}, {14, 2}, &error) &&
-                    copyable(2, {13, 7}, {1, 0}, &error) &&
-                    copyable(3, {5, 4, 3}, {12, 3, 1}, &error) &&
-                    copyable(3, {5, 4, 3}, {48, 12, 2}, &error) &&
-                    !copyable(3, {5, 4, 3}, {100, 12, 2}, &error) &&
-                    error.find("prog: argument T0 has sizes [5, 4, 3] and strides "
-                               "[100, 12, 2]") == 0 &&
-                    error.find("Pass T0.contiguous()") != std::string::npos;
+    int64_t refused = 0, accepted = 0;
+    for (const Layout& l : layouts) {
+      const rt::View t = view(l);
+      const std::string whole = refusal([&] { rt::check_copyable(t, "prog", "T0"); });
+      ++cases;
+      if (whole.empty() != rt::copyable(t, "prog")) {
+        ++failures;
+        std::printf("FAIL check_copyable(whole) disagrees with copyable: '%s'\n", whole.c_str());
+      }
+      for (int axis = 0; axis < l.dim; ++axis) {
+        for (int64_t slices : {1, 2, 3, 4, 7}) {
+          const int64_t chunk = rt::ceil_div(t.sizes[axis], slices);
+          const std::string error =
+              refusal([&] { rt::check_copyable(t, "prog", "T0", axis, chunk); });
+          bool plannable = true;  // every slice the op would copy
+          for (int64_t i = 0; i < slices; ++i) {
+            const rt::View slice = rt::shard(t, axis, i, chunk);
+            plannable = plannable && rt::copyable(slice, "prog");
+          }
+          ++cases;
+          if (error.empty() != plannable ||
+              (!error.empty() && (error.find("prog: argument T0 has sizes") != 0 ||
+                                  error.find("Pass T0.contiguous()") == std::string::npos))) {
+            ++failures;
+            std::printf("FAIL check_copyable axis %d, %lld slices: '%s', plannable %d\n", axis,
+                        static_cast<long long>(slices), error.c_str(), plannable ? 1 : 0);
+          }
+          if (error.empty()) {
+            ++accepted;
+            check("accepted by check_copyable", l.dim, l.sizes, l.strides, l.storage, axis,
+                  slices);
+          } else {
+            ++refused;
+          }
+        }
+      }
+    }
     ++cases;
-    if (!ok) {
+    if (refused == 0 || accepted == 0) {  // the layouts above exercise both answers
       ++failures;
-      std::printf("FAIL check_copyable: '%s'\n", error.c_str());
+      std::printf("FAIL check_copyable: %lld refused, %lld accepted\n",
+                  static_cast<long long>(refused), static_cast<long long>(accepted));
     }
   }
   std::printf("%s: %lld cases, %d failures\n", failures ? "FAILED" : "ok",

@@ -4,8 +4,12 @@
 // A copy moves a strided view into another of the same shape with as few cudaMemcpy
 // calls as the layouts allow: a dense block is one cudaMemcpyAsync; rows of a block (a
 // column block of a row-major matrix, a padded or transposed one) are one
-// cudaMemcpy2DAsync; only a 3-D view whose batch stride is not the rows' pitch times
-// the rows (an expanded or permuted batch) takes one 2-D copy per batch entry. Memcpy
+// cudaMemcpy2DAsync; a view whose outer dim is not dense across the rows (an expanded
+// or permuted batch, a broadcast column, a matrix with no stride-1 dim such as
+// w[:, ::2]) takes one copy per entry of that dim -- for w[:, ::2], one 2-D copy of
+// one-element rows per row: right, and slow. A view that would need more than that (a
+// 3-D one strided in all three dims) is refused: check_copyable names the argument
+// before anything is queued. Memcpy
 // cannot transpose, so the GPU side of a copy keeps the memory order of the host side:
 // a staging slot, or the GPU copy of a host input read whole, is dense in the order of
 // the host tensor (a column-major host weight gives a column-major slot; the GEMMs read
@@ -82,6 +86,10 @@ inline bool plan_copy(const View& dst, const View& src, CopyShape* out, const ch
     if (src.sizes[a] == 0) return true;  // count 0: nothing to copy
     if (src.sizes[a] > 1) dims[n++] = {src.sizes[a], src.strides[a], dst.strides[a]};
   }
+  // Broadcast dims (stride 0: an expanded host input, or the test's copy back into it)
+  // go outermost: each of their entries is a block copied again from or to the same
+  // place, and the dims inside them can still merge into rows.
+  std::stable_partition(dims, dims + n, [](const Dim& d) { return d.s == 0 || d.d == 0; });
   // Merge a dim into the next inner one where both views are dense across them.
   int m = 0;
   for (int k = 0; k < n; ++k) {
@@ -103,7 +111,10 @@ inline bool plan_copy(const View& dst, const View& src, CopyShape* out, const ch
     return stride * item >= c.width && stride * item <= kMaxPitch;
   };
   const bool rows = m > 0 && pitch_ok(dims[m - 1].s) && pitch_ok(dims[m - 1].d);
-  if (m - (rows ? 1 : 0) > 1) return false;
+  if (m - (rows ? 1 : 0) > 1) {
+    c = CopyShape{};
+    return false;
+  }
   c.count = 1;
   c.height = 1;
   c.src_pitch = c.dst_pitch = c.width;
@@ -129,16 +140,41 @@ inline CopyShape copy_shape(const View& dst, const View& src, const char* op) {
   return c;
 }
 
-// A host input is read through its copies, not by cuBLAS, so any layout they can move
-// will do (every 2-D one). Checked on the whole tensor before anything is queued, so the
-// error names the argument; a slice's own copy checks again (copy_shape).
-inline void check_copyable(const View& t, const char* op, const char* arg) {
+// Whether copy() can move `t` into dense GPU memory in its own order (a staging slot, or
+// the GPU copy of a host input read whole) with at most one 2-D copy per block.
+inline bool copyable(const View& t, const char* op) {
   View dense = t;
   dense_strides(dense, column_major(t));
   CopyShape c;
-  CG_CHECK(plan_copy(dense, t, &c, op), op, ": argument ", arg, " has sizes ", t.shape(),
-           " and strides ", Dims{t.strides, t.dim}, ", which one 2-D copy per matrix cannot "
-           "move to the GPU. Pass ", arg, ".contiguous()");
+  return plan_copy(dense, t, &c, op);
+}
+
+// A host input is read only through its copies, not by cuBLAS, so its layout must be one
+// they can move (every 2-D layout is, short of strides over 2 GiB). Checked before anything is queued, so that the
+// error names the argument. Read whole: the whole tensor.
+inline void check_copyable(const View& t, const char* op, const char* arg) {
+  CG_CHECK(copyable(t, op), op, ": argument ", arg, " has sizes ", t.shape(), " and strides ",
+           Dims{t.strides, t.dim}, "; copying it to the GPU needs at most one 2-D copy per "
+           "matrix, and this layout needs one per row. Pass ", arg, ".contiguous()");
+}
+
+// Read in slices of `chunk` along `axis` (ShardByStream): every full slice has one shape,
+// and the last may be shorter; whether dims merge depends on their sizes, so both are
+// checked (the whole tensor may pass where its slices do not, and the other way round).
+inline void check_copyable(const View& t, const char* op, const char* arg, int axis,
+                           int64_t chunk) {
+  const int64_t size = t.sizes[axis];
+  if (size == 0 || chunk <= 0) return;  // no slice has elements: nothing is copied
+  const int64_t last = size - (size - 1) / chunk * chunk;
+  for (const int64_t n : {std::min(chunk, size), last}) {
+    View slice = t;
+    slice.sizes[axis] = n;
+    CG_CHECK(copyable(slice, op), op, ": argument ", arg, " has sizes ", t.shape(),
+             " and strides ", Dims{t.strides, t.dim}, "; its slices along axis ", axis,
+             " (sizes ", slice.shape(), ") are copied to the GPU one at a time, which needs "
+             "at most one 2-D copy per matrix, and this layout needs one per row. Pass ", arg,
+             ".contiguous()");
+  }
 }
 
 // dst = src on `stream`; `kind` says which side is on the host.
