@@ -150,8 +150,8 @@ inline bool copyable(const View& t, const char* op) {
 }
 
 // A host input is read only through its copies, not by cuBLAS, so its layout must be one
-// they can move (every 2-D layout is, short of strides over 2 GiB). Checked before anything is queued, so that the
-// error names the argument. Read whole: the whole tensor.
+// they can move (every 2-D layout is, short of strides over 2 GiB). Checked before
+// anything is queued, so that the error names the argument. Read whole: the whole tensor.
 inline void check_copyable(const View& t, const char* op, const char* arg) {
   CG_CHECK(copyable(t, op), op, ": argument ", arg, " has sizes ", t.shape(), " and strides ",
            Dims{t.strides, t.dim}, "; copying it to the GPU needs at most one 2-D copy per "
