@@ -105,8 +105,7 @@ def part1(w_host: torch.Tensor, m: int, sms: list[int], rounds: int) -> None:
                         pool_size=1, gemm_sm_count=sm)
         loads[f"op GEMM, col-major slot, sm={sm or 'all'}"] = repeat(
             lambda op=op: op(x, slot_col))
-    cases = {(v, slots) for v in loads for slots in (COPIES, POOL)}
-    names = sorted(cases, key=lambda c: (list(loads).index(c[0]), -c[1]))
+    names = [(v, slots) for v in loads for slots in (COPIES, POOL)]
     rates: dict[tuple[str, int], list[float]] = {c: [] for c in names}
     for r in range(rounds):
         for v, slots in rotated(names, r):

@@ -64,6 +64,14 @@ inline void dense_strides(View& v, bool transposed) {
   }
 }
 
+// `v` made dense in its own memory order (see the top of this file): the GPU side of a
+// copy of `v` (a staging slot, the GPU copy of a host input read whole).
+inline View dense_like(const View& v) {
+  View d = v;
+  dense_strides(d, column_major(v));
+  return d;
+}
+
 // The plan of a copy from `src` to `dst` (same shape) into `*out`; false if it would need
 // more than one 2-D copy per block (a 3-D view strided in all three dims, none of them
 // dense across the next).
@@ -143,37 +151,36 @@ inline CopyShape copy_shape(const View& dst, const View& src, const char* op) {
 // Whether copy() can move `t` into dense GPU memory in its own order (a staging slot, or
 // the GPU copy of a host input read whole) with at most one 2-D copy per block.
 inline bool copyable(const View& t, const char* op) {
-  View dense = t;
-  dense_strides(dense, column_major(t));
   CopyShape c;
-  return plan_copy(dense, t, &c, op);
+  return plan_copy(dense_like(t), t, &c, op);
 }
 
 // A host input is read only through its copies, not by cuBLAS, so its layout must be one
 // they can move (every 2-D layout is, short of strides over 2 GiB). Checked before
-// anything is queued, so that the error names the argument. Read whole: the whole tensor.
-inline void check_copyable(const View& t, const char* op, const char* arg) {
-  CG_CHECK(copyable(t, op), op, ": argument ", arg, " has sizes ", t.shape(), " and strides ",
-           Dims{t.strides, t.dim}, "; copying it to the GPU needs at most one 2-D copy per "
-           "matrix, and this layout needs one per row. Pass ", arg, ".contiguous()");
-}
-
-// Read in slices of `chunk` along `axis` (ShardByStream): every full slice has one shape,
-// and the last may be shorter; whether dims merge depends on their sizes, so both are
-// checked (the whole tensor may pass where its slices do not, and the other way round).
-inline void check_copyable(const View& t, const char* op, const char* arg, int axis,
-                           int64_t chunk) {
-  const int64_t size = t.sizes[axis];
-  if (size == 0 || chunk <= 0) return;  // no slice has elements: nothing is copied
-  const int64_t last = size - (size - 1) / chunk * chunk;
-  for (const int64_t n : {std::min(chunk, size), last}) {
-    View slice = t;
-    slice.sizes[axis] = n;
-    CG_CHECK(copyable(slice, op), op, ": argument ", arg, " has sizes ", t.shape(),
-             " and strides ", Dims{t.strides, t.dim}, "; its slices along axis ", axis,
-             " (sizes ", slice.shape(), ") are copied to the GPU one at a time, which needs "
-             "at most one 2-D copy per matrix, and this layout needs one per row. Pass ", arg,
-             ".contiguous()");
+// anything is queued, so that the error names the argument. Read whole (axis < 0): the
+// whole tensor. Read in slices of `chunk` along `axis` (ShardByStream): every full slice
+// has one shape and the last may be shorter; whether dims merge depends on their sizes,
+// so both are checked (the whole tensor may pass where its slices do not, and the other
+// way round).
+inline void check_copyable(const View& t, const char* op, const char* arg, int axis = -1,
+                           int64_t chunk = 0) {
+  View shapes[2] = {t, t};  // what is copied: the whole tensor, or a full and the last slice
+  int count = 1;
+  if (axis >= 0) {
+    const int64_t size = t.sizes[axis];
+    if (size == 0 || chunk <= 0) return;  // no slice has elements: nothing is copied
+    shapes[0].sizes[axis] = std::min(chunk, size);
+    shapes[1].sizes[axis] = size - (size - 1) / chunk * chunk;
+    count = 2;
+  }
+  for (int k = 0; k < count; ++k) {
+    const View& v = shapes[k];
+    CG_CHECK(copyable(v, op), op, ": argument ", arg, " has sizes ", t.shape(), " and strides ",
+             Dims{t.strides, t.dim}, "; copying it to the GPU",
+             axis < 0 ? std::string() : msg(" in slices along axis ", axis, " (sizes ",
+                                            v.shape(), ")"),
+             " needs at most one 2-D copy per matrix, and this layout needs one per row. "
+             "Pass ", arg, ".contiguous()");
   }
 }
 
@@ -200,8 +207,7 @@ inline void copy(const View& dst, const View& src, cudaMemcpyKind kind, const St
 // A new dense GPU tensor with the sizes and memory order of host tensor `like`: the GPU
 // copy of a host input read whole.
 inline Buffer empty_like(const View& like, DType dtype, int32_t device, const char* op) {
-  View v = like;
-  dense_strides(v, column_major(like));
+  const View v = dense_like(like);
   AtenTensorHandle h = nullptr;
   check_shim(aoti_torch_empty_strided(v.dim, v.sizes, v.strides, aoti_dtype(dtype),
                                       aoti_torch_device_type_cuda(), device, &h),
@@ -244,9 +250,8 @@ Staging staging(const int64_t (&shape)[N], DType dtype, int32_t device, const ch
 // Slot `k` of `stage`, viewed with the shape of `like` (a slice, maybe ragged), dense in
 // like's memory order (see the top of this file).
 inline View slot(const Staging& stage, int64_t k, const View& like) {
-  View v = like;
+  View v = dense_like(like);
   v.data = stage.buffer.data + k * stage.slot_stride * like.itemsize;
-  dense_strides(v, column_major(like));
   return v;
 }
 
