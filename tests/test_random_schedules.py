@@ -1,7 +1,11 @@
-"""Random schedules and shapes through lowering and the evaluator, against torch (exact).
+"""Random schedules and shapes through lowering and the evaluator, against torch (exact),
+and through the stream-order checker (codegen.races).
 
 Seeded and bounded: each case draws an op, a stream axis, a chain of splits ending in a
-stream-parallel outer part, and extents (including 0 and 1), then checks the values."""
+stream-parallel outer part, and extents (including 0 and 1), then checks the values and
+that every access of the host program is ordered. With ``placement``, each input and the
+output also land in host memory or on the GPU at random (drawn from a separate generator,
+so the schedules of the first test stay what they were)."""
 
 import random
 
@@ -10,27 +14,32 @@ import torch
 from conftest import ints
 
 import codegen as cg
+from codegen import races
 
 
-def draw_case(rng: random.Random):
+def draw_case(rng: random.Random, placement: random.Random | None = None):
+    def inp(shape):
+        device = placement.choice(["cuda", "cpu"]) if placement else "cuda"
+        return cg.input(shape, device=device)
+
     kind = rng.choice(["mm", "bmm", "bmm2", "linear", "linear_bias", "linear3d"])
     with cg.Fusion("random") as fusion:
         if kind == "mm":
-            ins = [cg.input(["m", "k"]), cg.input(["k", "n"])]
+            ins = [inp(["m", "k"]), inp(["k", "n"])]
             out = cg.matmul(*ins)
         elif kind in ("bmm", "bmm2"):
-            ins = [cg.input(["b", "m", "k"]),
-                   cg.input(["b", "k", "n"] if kind == "bmm" else ["k", "n"])]
+            ins = [inp(["b", "m", "k"]),
+                   inp(["b", "k", "n"] if kind == "bmm" else ["k", "n"])]
             out = cg.matmul(*ins)
         elif kind == "linear3d":
-            ins = [cg.input(["b", "m", "k"]), cg.input(["n", "k"]), cg.input(["n"])]
+            ins = [inp(["b", "m", "k"]), inp(["n", "k"]), inp(["n"])]
             out = cg.linear(*ins)
         else:
-            ins = [cg.input(["m", "k"]), cg.input(["n", "k"])]
+            ins = [inp(["m", "k"]), inp(["n", "k"])]
             if kind == "linear_bias":
-                ins.append(cg.input(["n"]))
+                ins.append(inp(["n"]))
             out = cg.linear(*ins)
-        cg.output(out)
+        cg.output(out, device=placement.choice(["cuda", "cpu"]) if placement else "cuda")
     axis = rng.randrange(out.ndim)
     for _ in range(rng.choice([1, 1, 2])):  # one split, sometimes a nested one
         if rng.random() < 0.5:
@@ -45,12 +54,11 @@ def draw_case(rng: random.Random):
     return kind, fusion, shapes
 
 
-@pytest.mark.parametrize("seed", range(60))
-def test_random_schedule_matches_torch(seed):
-    rng = random.Random(seed)
-    kind, fusion, shapes = draw_case(rng)
+def check_case(rng: random.Random, placement: random.Random | None = None):
+    kind, fusion, shapes = draw_case(rng, placement)
     program = cg.lower(fusion, pool_size=rng.choice([1, 2, 4]))
     xs = [ints(*s) for s in shapes]
+    races.check(program, xs)
     (out,) = cg.evaluate(program, xs)
     if kind.startswith("linear"):
         expect = torch.nn.functional.linear(*xs)
@@ -58,3 +66,13 @@ def test_random_schedule_matches_torch(seed):
         expect = torch.matmul(*xs)
     assert out.shape == expect.shape, (kind, shapes, str(program))
     assert torch.equal(out, expect), (kind, shapes, str(program))
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_random_schedule_matches_torch_and_is_ordered(seed):
+    check_case(random.Random(seed))
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_random_placement_matches_torch_and_is_ordered(seed):
+    check_case(random.Random(seed), placement=random.Random(1000 + seed))

@@ -1,0 +1,306 @@
+"""The stream-order checker: proves, for concrete sizes, that a host program orders every
+access to memory after the accesses it depends on.
+
+A host program is correct only if its ``Synchronize`` nodes (event waits), its fork and
+join, its staging-slot reuse and its ``StreamSynchronize`` order each GPU access after
+the ones it depends on; a missing wait gives right numbers on most runs and wrong ones on
+some, so the GPU tests cannot prove it. This module runs the program the way the
+evaluator does (the same view semantics: it subclasses the evaluator's interpreter),
+but every tensor holds the ids of its elements instead of values, every compute node and
+copy records which elements it reads and writes on which stream, and stream order is a
+vector clock per stream:
+
+- an operation on a stream happens after everything queued on that stream before it;
+- ``Synchronize(X)`` on stream C: what C queues next happens after everything queued on
+  X so far (an event recorded on X, waited for on C);
+- ``Communication`` runs on a stream of its own that starts after the posting stream
+  (c10d's collective stream waits for the current stream); ``Wait`` joins it back;
+- ``StreamSynchronize(X)``: the host has seen X finish, and whatever it queues afterwards,
+  on any stream, happens after X's work.
+
+It reports, per element:
+
+- a read not ordered after the write it reads, or of an element never written;
+- a write not ordered after the earlier reads and writes;
+- a use not ordered after its ``Allocate``: the caching allocator may hand out a block
+  that earlier work queued on the allocating stream still uses, so another stream needs
+  a wait first;
+- a ``Deallocate`` before every access is ordered before the allocating stream (the
+  allocator gives the block to the next allocation on that stream at once; the C++
+  runtime also keeps it until the join, a second line of defence this does not assume);
+- at the return: an output element not written, or not ordered before the caller's
+  stream (GPU outputs) or the host (host outputs); a GPU input still read after the
+  caller's stream goes on (the caller may overwrite it there).
+
+The caller's stream is ordered after its own writes of the inputs; the worker streams
+are not (that is what the fork is for).
+
+    >>> check(cg.lower(fusion), [a, b])      # raises InternalError listing the races
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import torch
+
+from . import distributed
+from . import hostir as hir
+from .errors import InternalError
+from .evaluator import _CALLER, _Interpreter, _Streams, check_inputs
+
+HOST = "host"  # the key of the host thread's clock
+_ID_BITS = 32  # element id = buffer index << _ID_BITS | offset in the buffer
+
+Key = object  # a stream's clock key: _CALLER, a worker index, HOST, or ("comm", n)
+Clock = dict  # Key -> the first epoch of that stream not yet seen
+
+
+@dataclasses.dataclass(frozen=True)
+class Access:
+    stream: Key
+    epoch: int
+    what: str  # "Copy(T0_i, out=T0_s) on Stream(1) [i=5]"
+
+
+@dataclasses.dataclass(frozen=True)
+class Race:
+    kind: str  # see KINDS
+    tensor: str  # the allocation or input whose elements are involved
+    first: Access | None  # the earlier access (None: never written)
+    second: str  # the later access, or what happens at the return
+    elements: int = 1
+
+    def __str__(self) -> str:
+        first = self.first.what if self.first else "nothing (never written)"
+        return (f"{self.kind} on {self.tensor} ({self.elements} element"
+                f"{'s' if self.elements != 1 else ''}): {self.second} is not ordered after "
+                f"{first}")
+
+
+KINDS = ("read before write", "write after read", "write after write", "uninitialized read",
+         "use before allocation", "free while in use", "output not ready", "input still read")
+
+
+@dataclasses.dataclass
+class _Element:
+    write: Access | None = None
+    reads: list[Access] = dataclasses.field(default_factory=list)
+    # The Allocate that made it (None for inputs): until then the caching allocator may
+    # still give the block to work queued earlier on the allocating stream.
+    born: Access | None = None
+
+
+@dataclasses.dataclass
+class _Buffer:
+    name: str
+    device: str
+    stream: Key  # where it was allocated (the caching allocator's stream)
+    size: int
+
+
+def _stream_str(key: Key) -> str:
+    if key is _CALLER:
+        return "main_stream"
+    if key == HOST:
+        return "the host"
+    if isinstance(key, tuple):
+        return f"the collective stream of {key[1]}"
+    return f"Stream({key})"
+
+
+class _Checker(_Interpreter):
+    """Runs a program on element ids (see the module docstring)."""
+
+    def __init__(self, program: hir.HostProgram, env: dict[str, int]) -> None:
+        super().__init__(program, env, {}, _Streams(torch.device("cpu")))
+        self.buffers: list[_Buffer] = []
+        self.allocated: dict[str, int] = {}  # live allocations and inputs -> buffer index
+        self.elements: dict[int, _Element] = {}
+        self.clocks: dict[Key, Clock] = {_CALLER: {_CALLER: 1}, HOST: {HOST: 1}}
+        self.found: dict[tuple[str, str, str, str], Race] = {}
+        self.communications = 0
+
+    # ------------------------------------------------------------------ clocks
+
+    def clock(self, key: Key) -> Clock:
+        return self.clocks.setdefault(key, {key: 0})
+
+    def join(self, into: Key, other: Key) -> None:
+        """``into`` from now on happens after everything queued on ``other`` so far."""
+        mine = self.clock(into)
+        for k, e in self.clock(other).items():
+            mine[k] = max(mine.get(k, 0), e)
+
+    @staticmethod
+    def ordered(a: Access, clock: Clock) -> bool:
+        return clock.get(a.stream, 0) > a.epoch
+
+    # ------------------------------------------------------------------ memory
+
+    def buffer(self, name: str, shape: Sequence[int], device: str, stream: Key,
+               written: Access | None = None, born: Access | None = None) -> None:
+        """A new buffer ``name``: an input ``written`` before the call, or an allocation
+        ``born`` on ``stream``."""
+        index, size = len(self.buffers), int(torch.Size(shape).numel())
+        self.buffers.append(_Buffer(name, device, stream, size))
+        self.allocated[name] = index
+        ids = torch.arange(size, dtype=torch.int64).add_(index << _ID_BITS)
+        self.values[name] = ids.view(list(shape))
+        self.elements.update((e, _Element(write=written, born=born)) for e in ids.tolist())
+
+    def ids(self, name: str) -> list[int]:
+        return self.values[name].flatten().tolist()
+
+    def tensor_of(self, element: int) -> str:
+        return self.buffers[element >> _ID_BITS].name
+
+    def report(self, kind: str, element: int, first: Access | None, second: str) -> None:
+        tensor = self.tensor_of(element)
+        key = (kind, tensor, first.what if first else "", second)
+        old = self.found.get(key)
+        self.found[key] = dataclasses.replace(old, elements=old.elements + 1) if old else \
+            Race(kind, tensor, first, second)
+
+    def where(self, node: hir.Node, key: Key) -> str:
+        indices = ", ".join(f"{k}={v}" for k, v in self.indices.items())
+        return f"{node} on {_stream_str(key)}" + (f" [{indices}]" if indices else "")
+
+    def access(self, node: hir.Node, reads: Sequence[str], writes: Sequence[str],
+               key: Key | None = None) -> None:
+        """Records ``node`` reading ``reads`` and writing ``writes`` on stream ``key``
+        (default: the current one), checking each element against its history."""
+        key = self.streams.current if key is None else key
+        self.join(key, HOST)  # queued now, so after whatever the host has waited for
+        clock = self.clock(key)
+        a = Access(key, clock[key], self.where(node, key))
+        for e in (e for name in [*reads, *writes] for e in self.ids(name)):
+            born = self.elements[e].born
+            if born is not None and not self.ordered(born, clock):
+                self.report("use before allocation", e, born, a.what)
+        for e in (e for name in reads for e in self.ids(name)):
+            state = self.elements[e]
+            if state.write is None:
+                self.report("uninitialized read", e, None, a.what)
+            elif not self.ordered(state.write, clock):
+                self.report("read before write", e, state.write, a.what)
+            state.reads.append(a)
+        for e in (e for name in writes for e in self.ids(name)):
+            state = self.elements[e]
+            for r in state.reads:
+                if r is not a and not self.ordered(r, clock):
+                    self.report("write after read", e, r, a.what)
+            if state.write is not None and not self.ordered(state.write, clock):
+                self.report("write after write", e, state.write, a.what)
+            state.write, state.reads = a, []
+        clock[key] += 1
+
+    def check_free(self, index: int, what: str) -> None:
+        """Buffer ``index`` goes back to the caching allocator: each access must be
+        ordered before the stream it was allocated on, as that stream stands now."""
+        buf = self.buffers[index]
+        clock = self.clock(buf.stream)
+        first = index << _ID_BITS
+        for e in range(first, first + buf.size):
+            state = self.elements[e]
+            for a in [*state.reads, *([state.write] if state.write else [])]:
+                if not self.ordered(a, clock):
+                    self.report("free while in use", e, a,
+                                f"{what} (allocated on {_stream_str(buf.stream)})")
+
+    # ------------------------------------------------------------------ nodes
+
+    def Allocate(self, n: hir.Allocate) -> None:
+        shape = [e.evaluate(self.env) for e in n.out.shape]
+        stream = HOST if n.out.device == "cpu" else self.streams.current
+        born = Access(stream, self.clock(stream)[stream], self.where(n, stream))
+        self.clock(stream)[stream] += 1
+        self.buffer(n.out.name, shape, n.out.device, stream, born=born)
+
+    def Deallocate(self, n: hir.Deallocate) -> None:
+        self.check_free(self.allocated.pop(n.tensor), str(n))
+        super().Deallocate(n)
+
+    def Synchronize(self, n: hir.Synchronize) -> None:
+        self.join(self.streams.current, self.stream_key(n.stream))
+        super().Synchronize(n)
+
+    def StreamSynchronize(self, n: hir.StreamSynchronize) -> None:
+        self.join(HOST, self.stream_key(n.stream))
+
+    def Copy(self, n: hir.Copy) -> None:
+        self.access(n, [n.src], [n.out])
+
+    def Matmul(self, n: hir.Matmul) -> None:
+        self.access(n, [n.a, n.b], [n.out])
+
+    def Linear(self, n: hir.Linear) -> None:
+        self.access(n, [n.x, n.w, *([n.bias] if n.bias else [])], [n.out])
+
+    def Communication(self, n: distributed.Communication) -> None:
+        self.communications += 1
+        key = ("comm", f"{n.out}#{self.communications}")
+        self.clocks[key] = {**self.clock(self.streams.current), key: 0}
+        self.access(n, [n.input], [n.output], key)
+        self.values[n.out] = key  # type: ignore[assignment]
+
+    def Wait(self, n: distributed.Wait) -> None:
+        self.join(self.streams.current, self.values[n.communication])  # type: ignore[arg-type]
+
+    # ------------------------------------------------------------------ the return
+
+    def finish(self, inputs: Sequence[hir.TensorInfo]) -> None:
+        """What the caller does after the return: reads the outputs (GPU ones on its
+        stream, host ones on the host), may overwrite GPU inputs on its stream, and the
+        op's own temporaries go back to the allocator."""
+        caller, host = self.clock(_CALLER), self.clock(HOST)
+        outputs = set(self.program.outputs)
+        for name in self.program.outputs:
+            on_host = self.buffers[self.allocated[name]].device == "cpu"
+            who = "the host after the return" if on_host else "main_stream after the return"
+            clock = host if on_host else caller
+            for e in self.ids(name):
+                w = self.elements[e].write
+                if w is None or not self.ordered(w, clock):
+                    self.report("output not ready", e, w, f"{name} read by {who}")
+        for info in inputs:
+            if info.device == "cpu":
+                continue  # a host input's copies are queued on main_stream's side, as
+                # any non_blocking copy in torch: the host may reuse it once that ends
+            for e in self.ids(info.name):
+                for r in self.elements[e].reads:
+                    if not self.ordered(r, caller):
+                        self.report("input still read", e, r,
+                                    f"{info.name} written by main_stream after the return")
+        temporaries = set(self.allocated) - outputs - {i.name for i in inputs}
+        for name in sorted(temporaries):
+            if self.buffers[self.allocated[name]].device == "cuda":
+                self.check_free(self.allocated[name], f"{name} freed at the return")
+
+
+def find_races(program: hir.HostProgram, inputs: Sequence[torch.Tensor]) -> list[Race]:
+    """The races of ``program`` run on inputs shaped as ``inputs`` (CPU tensors, as for
+    ``evaluate``; only their shapes matter). Empty when every access is ordered."""
+    if not isinstance(program, hir.HostProgram):
+        raise TypeError(f"find_races expects a cg.HostProgram, got {type(program).__name__}")
+    env = check_inputs(program, inputs)
+    checker = _Checker(program, env)
+    for info, x in zip(program.inputs, inputs):
+        key = HOST if info.device == "cpu" else _CALLER
+        written = Access(key, 0, f"{info.name} written by {_stream_str(key)} before the call")
+        checker.buffer(info.name, x.shape, info.device, key, written)
+    checker.run(program.body)
+    checker.finish(program.inputs)
+    return list(checker.found.values())
+
+
+def check(program: hir.HostProgram, inputs: Sequence[torch.Tensor]) -> None:
+    """Raises InternalError listing the races of ``program`` (see ``find_races``)."""
+    races = find_races(program, inputs)
+    if races:
+        shapes = ", ".join(f"{t.name}: {list(x.shape)}" for t, x in zip(program.inputs, inputs))
+        listed = "\n".join(f"  {r}" for r in races[:8])
+        more = f"\n  ... and {len(races) - 8} more" if len(races) > 8 else ""
+        raise InternalError(f"{program.name}: {len(races)} unordered accesses for inputs "
+                            f"{shapes}:\n{listed}{more}\n{program}")
