@@ -17,8 +17,25 @@ struct Emulated {
   int64_t calls = 0, calls_2d = 0;
 };
 
+// What cudaMemcpy2DAsync refuses (cudaErrorInvalidPitchValue / InvalidValue): a copy
+// shape the CPU would take but the GPU not.
+static bool valid_for_cuda(const rt::CopyShape& c) {
+  if (c.count == 0) return true;
+  if (c.width <= 0) return false;
+  return c.height <= 1 || (c.src_pitch >= c.width && c.dst_pitch >= c.width &&
+                           c.src_pitch <= rt::kMaxPitch && c.dst_pitch <= rt::kMaxPitch);
+}
+
+static int invalid_shapes = 0;
+
 static void emulate(const rt::View& dst, const rt::View& src, Emulated& e) {
   const rt::CopyShape c = rt::copy_shape(dst, src, "test");
+  if (!valid_for_cuda(c)) {
+    ++invalid_shapes;
+    std::printf("INVALID for CUDA: width %lld, pitches %lld / %lld, height %lld\n",
+                static_cast<long long>(c.width), static_cast<long long>(c.src_pitch),
+                static_cast<long long>(c.dst_pitch), static_cast<long long>(c.height));
+  }
   for (int64_t b = 0; b < c.count; ++b) {
     ++e.calls;
     if (c.height > 1) ++e.calls_2d;
@@ -255,6 +272,7 @@ int main() {
                   static_cast<long long>(refused), static_cast<long long>(accepted));
     }
   }
+  failures += invalid_shapes;
   std::printf("%s: %lld cases, %d failures\n", failures ? "FAILED" : "ok",
               static_cast<long long>(cases), failures);
   return failures ? 1 : 0;
