@@ -14,6 +14,8 @@ three times it (GEMM-bound), and S = 1, 2, 4, 8, 16, it reports per row:
   host-to-device copy) and GEMM alone (G: x @ w with w already on the GPU);
 - floor / max = 1 + 1/S: the pipeline cannot beat max(C, G) * (1 + 1/S) (the first
   slice's copy and the last slice's GEMM stand alone), and op / floor;
+- cs / floor: the same program lowered with ``copy_stream=True`` (every copy on one copy
+  stream, in slice order; ``hostir.queue_copies_in``), and cs / op per round in the JSON;
 - the same op reading a column-major w (w^T stored contiguous, as nn.Linear keeps it):
   each slice is one 1-D copy instead of a 2-D one;
 - the hand-written Python pipeline (benchmarks: PythonCopyPipeline): w pre-split once into
@@ -161,14 +163,16 @@ def median_ratio(num: list[float], den: list[float]) -> float:
     return float(ratio_fields("r", num, den)["r"])  # type: ignore[arg-type]
 
 
-_ops: dict[int, cg.CompiledOp] = {}
+_ops: dict[tuple[int, bool], cg.CompiledOp] = {}
 
 
-def op_for(slices: int) -> cg.CompiledOp:
-    """One program per S (extents are symbolic): the tests' stream_weights programs."""
-    if slices not in _ops:
-        _ops[slices] = cg.compile(examples.stream_weights(DTYPE, slices), pool_size=POOL)
-    return _ops[slices]
+def op_for(slices: int, copy_stream: bool = False) -> cg.CompiledOp:
+    """One program per S (extents are symbolic): the tests' stream_weights programs, with
+    the copies on the slices' streams or (``copy_stream``) on one copy stream."""
+    if (slices, copy_stream) not in _ops:
+        _ops[slices, copy_stream] = cg.compile(examples.stream_weights(DTYPE, slices),
+                                               pool_size=POOL, copy_stream=copy_stream)
+    return _ops[slices, copy_stream]
 
 
 def tune_m(w_host: torch.Tensor, w_dev: torch.Tensor) -> tuple[int, float, float]:
@@ -200,11 +204,12 @@ def measure_shape(label: str, m: int, w_host: torch.Tensor, w_host_t: torch.Tens
     }
     errors: dict[str, float] = {}
     for s in SLICES:
-        op, pipeline = op_for(s), pipelines[s]
+        op, op_cs, pipeline = op_for(s), op_for(s, copy_stream=True), pipelines[s]
         variants[f"op/s{s}"] = lambda op=op: op(x, w_host)
+        variants[f"op_cs/s{s}"] = lambda op=op_cs: op(x, w_host)
         variants[f"op_col/s{s}"] = lambda op=op: op(x, w_col)
         variants[f"python/s{s}"] = lambda p=pipeline: p(x)
-        for v in ("op", "op_col", "python"):
+        for v in ("op", "op_cs", "op_col", "python"):
             y = variants[f"{v}/s{s}"]().float()
             errors[f"{v}/s{s}"] = ((y - ref).norm() / ref.norm()).item()
     del ref
@@ -231,6 +236,9 @@ def measure_shape(label: str, m: int, w_host: torch.Tensor, w_host_t: torch.Tens
             "op_ratio": median_ratio(t[f"op/s{s}"], bound),
             "floor_ratio": floor,
             "op_floor_ratio": median_ratio(t[f"op/s{s}"], bound) / floor,
+            "op_cs_ms": med(t[f"op_cs/s{s}"]),
+            "op_cs_floor_ratio": median_ratio(t[f"op_cs/s{s}"], bound) / floor,
+            "op_cs_op_ratio": median_ratio(t[f"op_cs/s{s}"], t[f"op/s{s}"]),
             "op_col_ratio": median_ratio(t[f"op_col/s{s}"], bound),
             "python_ratio": median_ratio(t[f"python/s{s}"], bound),
             "op_python_ratio": median_ratio(t[f"op/s{s}"], t[f"python/s{s}"]),
@@ -287,18 +295,19 @@ def nvtx_range_ns() -> float | None:
 
 def table(rows: list[dict[str, Any]]) -> str:
     head = (f"{'shape':>10} {'m':>6} {'S':>3} {'copy ms':>8} {'GEMM ms':>8} {'op ms':>8} "
-            f"{'op/max':>7} {'floor':>6} {'op/floor':>8} {'op(w^T)':>8} {'python':>7} "
-            f"{'copy+GEMM':>9} {'host us':>8}")
+            f"{'op/max':>7} {'floor':>6} {'op/floor':>8} {'cs/floor':>8} {'op(w^T)':>8} "
+            f"{'python':>7} {'copy+GEMM':>9} {'host us':>8}")
     lines = [head, "-" * len(head)]
     for r in rows:
         lines.append(
             f"{r['shape']:>10} {r['m']:>6} {r['slices']:>3} {r['copy_ms']:8.3f} "
             f"{r['gemm_ms']:8.3f} {r['op_ms']:8.3f} {r['op_ratio']:7.3f} "
-            f"{r['floor_ratio']:6.3f} {r['op_floor_ratio']:8.3f} {r['op_col_ratio']:8.3f} "
+            f"{r['floor_ratio']:6.3f} {r['op_floor_ratio']:8.3f} "
+            f"{r['op_cs_floor_ratio']:8.3f} {r['op_col_ratio']:8.3f} "
             f"{r['python_ratio']:7.3f} {r['copy_then_gemm_ratio']:9.3f} "
             f"{r['op_host_us']:8.1f}")
     lines.append("ratios: time / max(copy alone, GEMM alone), median of per-round ratios; "
-                 "floor = 1 + 1/S")
+                 "floor = 1 + 1/S; cs: the op with copy_stream=True")
     return "\n".join(lines)
 
 

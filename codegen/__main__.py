@@ -53,14 +53,14 @@ def stale_goldens(out: Path) -> str:
     return "".join(diffs)
 
 
-def show(name: str, stage: str) -> str:
+def show(name: str, stage: str, copy_stream: bool = False) -> str:
     from . import lowering
     from .render import render
 
     fusion = example(name).make()
     if stage == "ir":
         return f"{fusion}\n\n# after the fusion passes\n{lowering.schedule(fusion)}"
-    program = lowering.lower(fusion)
+    program = lowering.lower(fusion, copy_stream=copy_stream)
     return str(program) if stage == "hostir" else render(program)
 
 
@@ -76,11 +76,15 @@ def main(argv: list[str] | None = None) -> int:
     s = sub.add_parser("show", help="print one stage of a bundled example")
     s.add_argument("example", choices=sorted(EXAMPLES))
     s.add_argument("--stage", choices=("ir", "hostir", "cpp"), default="hostir")
+    s.add_argument("--copy-stream", action="store_true",
+                   help="lower with copy_stream=True (host-to-device copies on one stream)")
     t = sub.add_parser("timeline", help="profile an example on the GPU; draw its streams; "
                                         "for host copies, print how much the GEMMs hid")
     t.add_argument("example", choices=sorted(EXAMPLES))
     t.add_argument("--out", type=Path, default=Path("timeline.png"))
     t.add_argument("--size", type=int, default=4096)
+    t.add_argument("--copy-stream", action="store_true",
+                   help="compile with copy_stream=True (host-to-device copies on one stream)")
     args = parser.parse_args(argv)
 
     if args.command == "regen":
@@ -88,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
         print("\n".join(f"wrote {args.out / c}" for c in changed) or "csrc_gen is up to date")
         return 0
     if args.command == "show":
-        print(show(args.example, args.stage))
+        print(show(args.example, args.stage, args.copy_stream))
         return 0
     if args.command == "demo":
         from .demo import run_demo
@@ -96,7 +100,8 @@ def main(argv: list[str] | None = None) -> int:
         return run_demo(args.size, args.slices)
     from .timeline import draw_timeline
 
-    path, report = draw_timeline(args.example, args.out, size=args.size)
+    path, report = draw_timeline(args.example, args.out, size=args.size,
+                                 copy_stream=args.copy_stream)
     print(f"wrote {path}")
     if report:
         print(report)

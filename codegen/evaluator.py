@@ -194,8 +194,7 @@ class _Interpreter(distributed.CommunicationEvaluator):
             if ref not in self.stream_names:
                 raise InternalError(f"{self.program.name}: stream {ref} is not defined")
             return self.stream_names[ref]
-        k = self.indices[ref.index]
-        return k % ref.pool if ref.pool else k
+        return ref.position(self.indices)
 
     def run(self, nodes: list[hir.Node]) -> None:
         for node in nodes:

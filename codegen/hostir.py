@@ -42,7 +42,26 @@ class Stream:
         return k % self.pool if self.pool else k
 
 
-StreamRef = Stream | str  # a worker stream, or the named value of GetCurrentStream
+@dataclasses.dataclass(frozen=True)
+class CopyStream:
+    """The one stream that queues a stream loop's host-to-device copies
+    (``lower(..., copy_stream=True)``, see ``queue_copies_in``): position ``pool`` of the
+    pool, after every worker a loop can use, so it is never one of them."""
+
+    pool: int
+
+    def __str__(self) -> str:
+        return "CopyStream"
+
+    def position_str(self) -> str:
+        return str(self.pool)
+
+    def position(self, env: Mapping[str, int]) -> int:
+        return self.pool
+
+
+# A worker stream, the copy stream, or the named value of GetCurrentStream.
+StreamRef = Stream | CopyStream | str
 
 
 @dataclasses.dataclass(frozen=True)
@@ -252,7 +271,8 @@ class StagingSlot(Node):
     (``worker_stream``, the same value ``assign_streams`` switches to; ``verify`` checks
     it), so slot k is only touched by the iterations on ``Stream(k)``, in loop order; the
     copy of iteration i + pool into slot k is queued on ``Stream(k)`` behind the GEMM and
-    the copies of iteration i that used it. No event, no host wait.
+    the copies of iteration i that used it. No event, no host wait. (With a copy stream,
+    ``queue_copies_in``, the copy into slot k first waits for ``Stream(k)``.)
     """
 
     out: str
@@ -311,6 +331,7 @@ class HostProgram:
     pool_size: int = 4
     gemm_sm_count: int = 0  # SMs each GEMM may use (cuBLASLt's SM_COUNT_TARGET); 0 = all
     gemm_library: str = "cublaslt"  # one of GEMM_LIBRARIES
+    copy_stream: bool = False  # host-to-device copies on one stream (queue_copies_in)
 
     def nodes(self) -> Iterator[Node]:
         """Every node in program order, loop bodies included (pre-order)."""
@@ -333,6 +354,8 @@ class HostProgram:
         options = [f"gemm_sm_count={self.gemm_sm_count}"] if self.gemm_sm_count else []
         if self.gemm_library != "cublaslt":
             options.append(f"gemm_library={self.gemm_library}")
+        if self.copy_stream:
+            options.append("copy_stream")
         shown = f" [{', '.join(options)}]" if options else ""
         return f"HostProgram {self.name}({args}) -> ({', '.join(self.outputs)}){shown}:"
 
@@ -401,7 +424,8 @@ def _verify_residency(program: HostProgram) -> None:
     for loop in program.nodes():
         if not isinstance(loop, ForLoop):
             continue
-        streams = [n.stream for n in loop.body if isinstance(n, SetCurrentStream)]
+        streams = [n.stream for n in loop.body
+                   if isinstance(n, SetCurrentStream) and isinstance(n.stream, Stream)]
         for n in loop.body:
             if isinstance(n, StagingSlot):
                 in_loops.add(id(n))
@@ -484,7 +508,8 @@ def insert_fork_join(program: HostProgram) -> HostProgram:
     Synchronizing inside the compute loop would serialize the slices; here each worker
     waits once for the caller's prior work (fork) and the caller waits once for each
     worker (join), so the caller can consume the outputs on its own stream. A loop on
-    the caller's stream (``on_caller_stream``) needs neither.
+    the caller's stream (``on_caller_stream``) needs neither. A loop that queues its
+    copies on the copy stream (``queue_copies_in``) forks and joins that stream too.
     """
     pool = program.pool_size
     used = False
@@ -495,10 +520,15 @@ def insert_fork_join(program: HostProgram) -> HostProgram:
             return [loop]
         used = True
         n_streams = stream_count(loop, pool)
-        fork = ForLoop("j", Const(0), n_streams,
-                       [SetCurrentStream(Stream("j")), Synchronize(MAIN_STREAM)])
-        join = ForLoop("j", Const(0), n_streams, [Synchronize(Stream("j"))])
-        return [fork, loop, SetCurrentStream(MAIN_STREAM), join]
+        fork: list[Node] = [ForLoop("j", Const(0), n_streams,
+                                    [SetCurrentStream(Stream("j")), Synchronize(MAIN_STREAM)])]
+        join: list[Node] = [ForLoop("j", Const(0), n_streams, [Synchronize(Stream("j"))])]
+        copier = [n.stream for n in loop.body
+                  if isinstance(n, SetCurrentStream) and isinstance(n.stream, CopyStream)]
+        if copier:
+            fork += [SetCurrentStream(copier[0]), Synchronize(MAIN_STREAM)]
+            join.append(Synchronize(copier[0]))
+        return [*fork, loop, SetCurrentStream(MAIN_STREAM), *join]
 
     out = _map_stream_loops(program, fork_join)
     if used:
@@ -726,10 +756,63 @@ def synchronize_host_outputs(program: HostProgram) -> HostProgram:
     return program.replace(body=[*body, StreamSynchronize(MAIN_STREAM)])
 
 
+def _copies_in(body: list[Node]) -> list[Node]:
+    """The nodes of a stream loop's body that copy host slices into staging slots: each
+    ``Copy(T_i, out=T_s)`` with ``T_s = StagingSlot(..., like=T_i)``, and the views that
+    define ``T_i`` and ``T_s``, in body order."""
+    slots = {n.out: n for n in body if isinstance(n, StagingSlot)}
+    copies = [n for n in body
+              if isinstance(n, Copy) and n.out in slots and slots[n.out].like == n.src]
+    views = {c.src for c in copies} | {c.out for c in copies}
+    return [n for n in body if any(n is c for c in copies) or set(n.defines()) & views]
+
+
+def queue_copies_in(program: HostProgram) -> HostProgram:
+    """With ``copy_stream``, queues each stream loop's host-to-device copies on one copy
+    stream, in slice order, instead of on the slices' worker streams.
+
+    Before:  SetCurrentStream(Stream(i % 4)); T1_i = ShardByStream(T1, ...)
+             T1_s = StagingSlot(T1_stage, slot=i % 4, like=T1_i); Copy(T1_i, out=T1_s)
+             Matmul(T0, T1_s, ...)
+    After:   SetCurrentStream(CopyStream); Synchronize(Stream(i % 4))
+             T1_i = ...; T1_s = ...; Copy(T1_i, out=T1_s)
+             SetCurrentStream(Stream(i % 4)); Synchronize(CopyStream); Matmul(T0, T1_s, ...)
+    The copy stream first waits for the slot's worker (its work on slice i - 4, the slot's
+    last user, is done; not needed where every slice has its own slot, ``Stream(i)``),
+    the worker then waits for the copy. The copies leave the host in
+    order, one at a time, so the first one ends after its own bytes instead of sharing
+    the bus with the copies of the other workers; copies out (host outputs) stay on the
+    workers. A loop on the caller's stream (``on_caller_stream``) is left alone.
+    """
+    if not program.copy_stream:
+        return program
+    pool = program.pool_size
+    copier = CopyStream(pool)
+
+    def queue(loop: ForLoop) -> list[Node]:
+        moved = _copies_in(loop.body)
+        if not moved or on_caller_stream(loop, pool):
+            return [loop]
+        first = loop.body[0]
+        if not (isinstance(first, SetCurrentStream) and isinstance(first.stream, Stream)):
+            raise InternalError(f"{loop}: streams are not assigned\n{program}")
+        worker = first.stream
+        # A slot reused by a later slice (Stream(i % pool)) waits for its worker; with a
+        # slot and a stream per slice (Stream(i)), the fork has ordered everything.
+        reuse = [Synchronize(worker)] if worker.pool else []
+        rest = [n for n in loop.body[1:] if not any(n is m for m in moved)]
+        body = [SetCurrentStream(copier), *reuse, *moved,
+                SetCurrentStream(worker), Synchronize(copier), *rest]
+        return [dataclasses.replace(loop, body=body)]
+
+    return _map_stream_loops(program, queue)
+
+
 HOSTIR_PASSES: tuple[HostPass, ...] = (
     remove_dead_code,
     stage_host_tensors,
     assign_streams,
+    queue_copies_in,
     insert_fork_join,
     synchronize_host_outputs,
 )

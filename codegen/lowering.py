@@ -24,12 +24,14 @@ def _dump(title: str, text: str) -> None:
 
 
 def lower(fusion: Fusion, *, pool_size: int = 4, gemm_sm_count: int = 0,
-          gemm_library: str = "cublaslt") -> hir.HostProgram:
+          gemm_library: str = "cublaslt", copy_stream: bool = False) -> hir.HostProgram:
     """Runs the fusion passes on a copy of ``fusion``, builds the host program and runs the
     host-IR passes. ``pool_size`` bounds the number of worker streams; ``gemm_sm_count``
     (0 = all) caps the SMs each GEMM may use, leaving the rest to copies and collectives
     that overlap it; ``gemm_library`` picks cached cuBLASLt plans ("cublaslt", the
-    default) or one cublasGemmEx per GEMM ("cublas")."""
+    default) or one cublasGemmEx per GEMM ("cublas"); ``copy_stream`` queues the
+    host-to-device copies of host inputs read in slices on one stream of their own, in
+    slice order, instead of on the slices' worker streams (``hostir.queue_copies_in``)."""
     if not isinstance(fusion, Fusion):
         raise ScheduleError(f"lower expects a cg.Fusion, got {type(fusion).__name__}")
     if isinstance(pool_size, bool) or not isinstance(pool_size, int) or pool_size < 1:
@@ -43,6 +45,8 @@ def lower(fusion: Fusion, *, pool_size: int = 4, gemm_sm_count: int = 0,
     if gemm_sm_count and gemm_library != "cublaslt":
         raise ScheduleError(f"lower: gemm_sm_count={gemm_sm_count} needs gemm_library='cublaslt' "
                             f"(cublasGemmEx has no SM budget), got gemm_library={gemm_library!r}")
+    if not isinstance(copy_stream, bool):
+        raise ScheduleError(f"lower: copy_stream must be True or False, got {copy_stream!r}")
     if not fusion.outputs:
         raise ScheduleError(f"Fusion {fusion.name} has no outputs; call cg.output(t)")
     dump = _dump_stages()
@@ -59,7 +63,8 @@ def lower(fusion: Fusion, *, pool_size: int = 4, gemm_sm_count: int = 0,
         segments = passes.segment(work)
         plan = passes.plan_allocations(work, segments)
         program = hir.verify(passes.build_host_program(work, segments, plan, pool_size))
-    program = program.replace(gemm_sm_count=gemm_sm_count, gemm_library=gemm_library)
+    program = program.replace(gemm_sm_count=gemm_sm_count, gemm_library=gemm_library,
+                              copy_stream=copy_stream)
     if "hostir" in dump:
         _dump("hostir after build_host_program", str(program))
     for host_pass in hir.HOSTIR_PASSES:

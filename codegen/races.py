@@ -100,14 +100,14 @@ class _Buffer:
     size: int
 
 
-def _stream_str(key: Key) -> str:
+def _stream_str(key: Key, copier: int | None = None) -> str:
     if key is _CALLER:
         return "main_stream"
     if key == HOST:
         return "the host"
     if isinstance(key, tuple):
         return f"the collective stream of {key[1]}"
-    return f"Stream({key})"
+    return "CopyStream" if key == copier else f"Stream({key})"
 
 
 class _Checker(_Interpreter):
@@ -121,6 +121,11 @@ class _Checker(_Interpreter):
         self.clocks: dict[Key, Clock] = {_CALLER: {_CALLER: 1}, HOST: {HOST: 1}}
         self.found: dict[tuple[str, str, str, str], Race] = {}
         self.communications = 0
+        self.copier = hir.CopyStream(program.pool_size).position({}) \
+            if program.copy_stream else None
+
+    def stream_str(self, key: Key) -> str:
+        return _stream_str(key, self.copier)
 
     # ------------------------------------------------------------------ clocks
 
@@ -165,7 +170,7 @@ class _Checker(_Interpreter):
 
     def where(self, node: hir.Node, key: Key) -> str:
         indices = ", ".join(f"{k}={v}" for k, v in self.indices.items())
-        return f"{node} on {_stream_str(key)}" + (f" [{indices}]" if indices else "")
+        return f"{node} on {self.stream_str(key)}" + (f" [{indices}]" if indices else "")
 
     def access(self, node: hir.Node, reads: Sequence[str], writes: Sequence[str],
                key: Key | None = None) -> None:
@@ -207,7 +212,7 @@ class _Checker(_Interpreter):
             for a in [*state.reads, *([state.write] if state.write else [])]:
                 if not self.ordered(a, clock):
                     self.report("free while in use", e, a,
-                                f"{what} (allocated on {_stream_str(buf.stream)})")
+                                f"{what} (allocated on {self.stream_str(buf.stream)})")
 
     # ------------------------------------------------------------------ nodes
 

@@ -91,7 +91,7 @@ def _environment() -> jinja2.Environment:
 # other module of the package is hashed into the op name, new ones included by default.
 # (build.py's flags key the build cache instead.)
 _NOT_SHAPING_CPP = frozenset({"build.py", "evaluator.py", "timeline.py", "demo.py",
-                              "__main__.py", "timing.py", "collectives.py"})
+                              "__main__.py", "timing.py", "collectives.py", "races.py"})
 
 
 def include_dir() -> Path:
@@ -264,7 +264,11 @@ def _input_checks(program: hir.HostProgram, names: _Names) -> dict[str, Any]:
 
 
 def _stream(ref: hir.StreamRef) -> str:
-    return ref if isinstance(ref, str) else f"streams.worker({ref.position_str()})"
+    if isinstance(ref, str):
+        return ref
+    if isinstance(ref, hir.CopyStream):  # the lease's stream after the pool's workers
+        return f"streams.worker({ref.position_str()} /* the copy stream */)"
+    return f"streams.worker({ref.position_str()})"
 
 
 def _devices(program: hir.HostProgram) -> dict[str, str]:

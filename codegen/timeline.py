@@ -231,10 +231,12 @@ def plot_kernels(events: list[KernelEvent], out: Path, title: str) -> Path:
     return out
 
 
-def draw_timeline(example: str, out: Path, size: int = 4096) -> tuple[Path, str]:
-    """Compiles a bundled example, runs it at ``size`` on the GPU under the profiler and
-    draws its kernels and copies per stream into ``out`` (PNG). Returns the path and, for
-    a program with host copies, the overlap report (else "")."""
+def draw_timeline(example: str, out: Path, size: int = 4096,
+                  copy_stream: bool = False) -> tuple[Path, str]:
+    """Compiles a bundled example (with ``copy_stream``, see ``lower``), runs it at
+    ``size`` on the GPU under the profiler and draws its kernels and copies per stream
+    into ``out`` (PNG). Returns the path and, for a program with host copies, the overlap
+    report (else "")."""
     from .build import compile
     from .examples import example as get_example
 
@@ -242,7 +244,7 @@ def draw_timeline(example: str, out: Path, size: int = 4096) -> tuple[Path, str]
         raise RuntimeError("timeline: needs a CUDA GPU (the profiler traces GPU kernels)")
     ex = get_example(example)
     fusion = ex.make()
-    op = compile(fusion)
+    op = compile(fusion, copy_stream=copy_stream)
     shapes = _scaled_shapes(fusion, ex.shapes, size)
     dtype = fusion.inputs[0].dtype
     # Host inputs pinned, as they must be for the copies to overlap.

@@ -23,6 +23,15 @@ def test_show_prints_each_stage(capsys, stage, expect):
     assert expect in capsys.readouterr().out
 
 
+def test_show_with_a_copy_stream(capsys):
+    assert main(["show", "stream_weights", "--copy-stream"]) == 0
+    text = capsys.readouterr().out
+    assert "-> (T2) [copy_stream]:" in text and "    SetCurrentStream(CopyStream)" in text
+    assert main(["show", "stream_weights", "--copy-stream", "--stage", "cpp"]) == 0
+    assert "streams.set_current(streams.worker(4 /* the copy stream */));" in \
+        capsys.readouterr().out
+
+
 def test_regen_writes_only_changed_files(tmp_path):
     first = regen(tmp_path)
     assert "stream_matmul_n.cpp" in first

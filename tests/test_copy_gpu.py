@@ -471,3 +471,58 @@ def test_nvtx_ranges_name_each_slice_for_a_profiler(tmp_path, cache_dir):
     assert pushes == [f"stream_weights: i={i} {stmt}" for i in range(4) for stmt in
                       ("Copy(T1_i, out=T1_s)", "Matmul(T0, T1_s, out=T2_i)")], lines
     assert lines.count("pop") >= len(pushes)
+
+
+# ---------------------------------------------------------------------------- copy stream
+# copy_stream=True (hostir.queue_copies_in). These were written in a session with no
+# device time left: they had not run on a GPU when they were committed (see README).
+
+
+@pytest.mark.parametrize("pinned", [True, False], ids=["pinned", "pageable"])
+@pytest.mark.parametrize("slices", [3, 8])
+@pytest.mark.parametrize("make", [ex.stream_weights, ex.offload_activations])
+def test_copy_stream_exact_op_and_evaluator(make, slices, pinned):
+    op = op_of(make, torch.float32, slices, copy_stream=True)
+    program = cg.lower(make(torch.float32, slices), copy_stream=True)
+    if make is ex.stream_weights:
+        x, w = ints(64, 32, device=CUDA), host(ints(32, 1000), pinned)
+    else:
+        x, w = host(ints(1000, 32), pinned), ints(32, 80, device=CUDA)
+    expect = x.cpu() @ w.cpu()
+    for _ in range(3):  # the slots are reused across slices and calls
+        assert torch.equal(op(x, w).cpu(), expect)
+        assert torch.equal(cg.evaluate(program, [x, w])[0].cpu(), expect)
+
+
+def test_copy_stream_queues_every_copy_in_on_one_stream_under_the_gemms():
+    from codegen.timeline import profile_gpu
+
+    op = op_of(ex.stream_weights, torch.bfloat16, 8, copy_stream=True)
+    x = torch.randn(32768, 4096, device=CUDA, dtype=torch.bfloat16)
+    w = torch.randn(4096, 8192, dtype=torch.bfloat16).pin_memory()
+    op(x, w)
+    events = profile_gpu(lambda: op(x, w))
+    copies = sorted((e for e in events if e.kind == "HtoD"), key=lambda e: e.start_us)
+    gemms = [e for e in events if e.kind == "kernel"]
+    assert len(copies) == 8 and len(gemms) >= 8, [(e.kind, e.name) for e in events]
+    (copier,) = {e.stream for e in copies}
+    assert copier not in {e.stream for e in gemms} and len({e.stream for e in gemms}) == 4
+    assert all(a.end_us <= b.start_us + 1 for a, b in zip(copies, copies[1:]))  # in order
+    assert any(min(c.end_us, g.end_us) - max(c.start_us, g.start_us)
+               > 0.5 * min(c.duration_us, g.duration_us) for c in copies for g in gemms)
+
+
+def test_copy_stream_cuda_graph_capture():
+    op = op_of(ex.stream_weights, torch.float32, 8, copy_stream=True)
+    x, w = ints(300, 64, device=CUDA), ints(64, 500).pin_memory()
+    op(x, w)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = op(x, w)
+    for _ in range(3):
+        x.copy_(ints(300, 64, device=CUDA))
+        w.copy_(ints(64, 500))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out.cpu(), x.cpu() @ w)

@@ -4,8 +4,9 @@ and through the stream-order checker (codegen.races).
 Seeded and bounded: each case draws an op, a stream axis, a chain of splits ending in a
 stream-parallel outer part, and extents (including 0 and 1), then checks the values and
 that every access of the host program is ordered. With ``placement``, each input and the
-output also land in host memory or on the GPU at random (drawn from a separate generator,
-so the schedules of the first test stay what they were)."""
+output also land in host memory or on the GPU at random, and half the cases queue their
+copies in on a copy stream (drawn from a separate generator, so the schedules of the
+first test stay what they were)."""
 
 import random
 
@@ -56,7 +57,8 @@ def draw_case(rng: random.Random, placement: random.Random | None = None):
 
 def check_case(rng: random.Random, placement: random.Random | None = None):
     kind, fusion, shapes = draw_case(rng, placement)
-    program = cg.lower(fusion, pool_size=rng.choice([1, 2, 4]))
+    copy_stream = bool(placement and placement.random() < 0.5)
+    program = cg.lower(fusion, pool_size=rng.choice([1, 2, 4]), copy_stream=copy_stream)
     xs = [ints(*s) for s in shapes]
     races.check(program, xs)
     (out,) = cg.evaluate(program, xs)
