@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from . import examples
+from . import examples, races
 from .build import compile
 from .evaluator import evaluate
 from .lowering import lower
@@ -46,14 +46,18 @@ def run_demo(size: int = 8192, slices: int = 4) -> int:
         ops.append((program, op))
     (rows_program, rows_op), (cols_program, cols_op), (host_program, host_op) = ops
 
-    # The evaluator is the reference semantics: exact on integer-valued inputs.
+    # The evaluator is the reference semantics: exact on integer-valued inputs. The
+    # stream-order checker runs the same program on element ids: every access ordered.
     for program, shapes, dtype in ((rows_program, [(37, 16), (16, 9)], torch.bfloat16),
                                    (cols_program, [(5, 7), (7, 6)], torch.float32),
                                    (host_program, [(9, 16), (16, 37)], torch.float32)):
         xs = [_ints(*s, dtype=dtype) for s in shapes]
         good = torch.equal(evaluate(program, xs)[0].double(), xs[0].double() @ xs[1].double())
-        print(f"evaluator on CPU, {program.name}: {'matches' if good else 'MISMATCHES'} torch")
-        ok &= good
+        unordered = races.find_races(program, xs)
+        print(f"evaluator on CPU, {program.name}: {'matches' if good else 'MISMATCHES'} torch; "
+              + (f"{len(unordered)} UNORDERED accesses: {unordered[0]}" if unordered else
+                 "every access stream-ordered (codegen.races)"))
+        ok &= good and not unordered
 
     if not torch.cuda.is_available():
         out = rows_op(torch.empty(size, size, device="meta", dtype=torch.bfloat16),
