@@ -118,13 +118,13 @@ def program_device(program: hir.HostProgram, inputs: Sequence[torch.Tensor]) -> 
 # Test-only fault injection: when set, ``_fault_hook(interpreter, node)`` runs before every
 # compute node, so a test can raise mid-loop and check what ``evaluate`` leaves behind (the
 # interpreter's ``streams.log``). Nothing in the package sets it.
-_fault_hook: Callable[[_Interpreter, hir.Node], None] | None = None
+_fault_hook: Callable[[Interpreter, hir.Node], None] | None = None
 
 _COMPUTE_NODES = (hir.Matmul, hir.Linear)
-_CALLER = None  # the key of the caller's stream in _Streams; workers are keyed by index
+CALLER = None  # the key of the caller's stream in Streams; workers are keyed by index
 
 
-class _Streams:
+class Streams:
     """The stream state of one evaluation, as a scope guard (the evaluator's counterpart of
     the C++ runtime's RAII fork/join guard).
 
@@ -139,18 +139,18 @@ class _Streams:
 
     def __init__(self, device: torch.device) -> None:
         self.device, self.cuda = device, device.type == "cuda"
-        self.current: int | None = _CALLER
+        self.current: int | None = CALLER
         self.pending: dict[int, None] = {}  # insertion-ordered set
         self.log: list[tuple[object, ...]] = []
         self._caller = torch.cuda.current_stream(device) if self.cuda else None
         self._caller_device = torch.cuda.current_device() if self.cuda else None
 
-    def __enter__(self) -> _Streams:
+    def __enter__(self) -> Streams:
         return self
 
     def __exit__(self, *exc: object) -> None:
         try:
-            self.set_current(_CALLER)
+            self.set_current(CALLER)
             for k in list(self.pending):
                 self.synchronize(k)
             self.log.append(("exit",))
@@ -159,13 +159,13 @@ class _Streams:
                 torch.cuda.set_device(self._caller_device)
 
     def stream(self, key: int | None) -> torch.cuda.Stream:
-        return self._caller if key is _CALLER else _worker_stream(self.device, key)
+        return self._caller if key is CALLER else _worker_stream(self.device, key)
 
     def set_current(self, key: int | None) -> None:
         if self.cuda:
             torch.cuda.set_stream(self.stream(key))
         self.current = key
-        if key is not _CALLER:
+        if key is not CALLER:
             self.pending[key] = None
         self.log.append(("set", key))
 
@@ -173,14 +173,14 @@ class _Streams:
         """The current stream waits for ``key``'s stream."""
         if self.cuda:
             self.stream(self.current).wait_stream(self.stream(key))
-        if self.current is _CALLER and key is not _CALLER:
+        if self.current is CALLER and key is not CALLER:
             self.pending.pop(key, None)
         self.log.append(("wait", self.current, key))
 
 
-class _Interpreter(distributed.CommunicationEvaluator):
+class Interpreter(distributed.CommunicationEvaluator):
     def __init__(self, program: hir.HostProgram, env: dict[str, int],
-                 values: dict[str, torch.Tensor], streams: _Streams) -> None:
+                 values: dict[str, torch.Tensor], streams: Streams) -> None:
         self.program, self.env, self.values, self.streams = program, env, values, streams
         self.device = streams.device
         # Loop indices live apart from the extents in env, so an extent may be named like
@@ -292,8 +292,8 @@ def evaluate(program: hir.HostProgram, inputs: Sequence[torch.Tensor], *,
     env = check_inputs(program, inputs)
     device = program_device(program, inputs)
     values = {t.name: x for t, x in zip(program.inputs, inputs)}
-    with _Streams(device) as streams, torch.no_grad():
-        interp = _Interpreter(program, env, values, streams)
+    with Streams(device) as streams, torch.no_grad():
+        interp = Interpreter(program, env, values, streams)
         interp.group = distributed.resolve_group(program, group)
         interp.run(program.body)
     missing = [o for o in program.outputs if o not in values]

@@ -777,12 +777,14 @@ def queue_copies_in(program: HostProgram) -> HostProgram:
     After:   SetCurrentStream(CopyStream); Synchronize(Stream(i % 4))
              T1_i = ...; T1_s = ...; Copy(T1_i, out=T1_s)
              SetCurrentStream(Stream(i % 4)); Synchronize(CopyStream); Matmul(T0, T1_s, ...)
-    The copy stream first waits for the slot's worker (its work on slice i - 4, the slot's
-    last user, is done; not needed where every slice has its own slot, ``Stream(i)``),
-    the worker then waits for the copy. The copies leave the host in
-    order, one at a time, so the first one ends after its own bytes instead of sharing
-    the bus with the copies of the other workers; copies out (host outputs) stay on the
-    workers. A loop on the caller's stream (``on_caller_stream``) is left alone.
+    The copy stream first waits for the slot's worker (everything queued on it so far:
+    the GEMM of slice i - 4, the slot's last user, and with host outputs also that
+    slice's copy out, so a copy in can wait behind a copy out; not needed where every
+    slice has its own slot, ``Stream(i)``), the worker then waits for the copy. The
+    copies leave the host in order, one at a time, so the first one ends after its own
+    bytes instead of sharing the bus with the copies of the other workers; copies out
+    (host outputs) stay on the workers. A loop on the caller's stream
+    (``on_caller_stream``) is left alone.
     """
     if not program.copy_stream:
         return program

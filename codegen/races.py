@@ -29,8 +29,18 @@ It reports, per element:
   allocator gives the block to the next allocation on that stream at once; the C++
   runtime also keeps it until the join, a second line of defence this does not assume);
 - at the return: an output element not written, or not ordered before the caller's
-  stream (GPU outputs) or the host (host outputs); a GPU input still read after the
-  caller's stream goes on (the caller may overwrite it there).
+  stream (GPU outputs) or the host (host outputs); an input or output still read after
+  the caller's stream goes on (the caller may overwrite it there, or on the host once
+  that stream has passed the call); a stream that got work and that the caller's stream
+  did not wait for directly afterwards (transitive order is not enough: the C++ runtime
+  joins such a stream only on exit, and a CUDA graph capture must rejoin every stream).
+
+What it does not model: work the runtime adds on its own (cuBLAS workspaces, a
+``contiguous()`` before a collective), other calls and programs on the same streams, the
+caller's use of its memory beyond the rules above, and the C++ runtime's event reuse
+(one event per stream, the caller's recorded once per fork; this is sound because work
+only goes on the current stream, so the caller's stream gets none while its workers
+wait for it).
 
 The caller's stream is ordered after its own writes of the inputs; the worker streams
 are not (that is what the fork is for).
@@ -48,12 +58,12 @@ import torch
 from . import distributed
 from . import hostir as hir
 from .errors import InternalError
-from .evaluator import _CALLER, _Interpreter, _Streams, check_inputs
+from .evaluator import CALLER, Interpreter, Streams, check_inputs
 
 HOST = "host"  # the key of the host thread's clock
 _ID_BITS = 32  # element id = buffer index << _ID_BITS | offset in the buffer
 
-Key = object  # a stream's clock key: _CALLER, a worker index, HOST, or ("comm", n)
+Key = object  # a stream's clock key: CALLER, a worker index, HOST, or ("comm", n)
 Clock = dict  # Key -> the first epoch of that stream not yet seen
 
 
@@ -67,12 +77,14 @@ class Access:
 @dataclasses.dataclass(frozen=True)
 class Race:
     kind: str  # see KINDS
-    tensor: str  # the allocation or input whose elements are involved
+    tensor: str  # the allocation or input whose elements are involved (or the stream)
     first: Access | None  # the earlier access (None: never written)
     second: str  # the later access, or what happens at the return
     elements: int = 1
 
     def __str__(self) -> str:
+        if self.kind == "stream not joined":
+            return f"{self.kind}: {self.tensor} got work, and {self.second}"
         first = self.first.what if self.first else "nothing (never written)"
         return (f"{self.kind} on {self.tensor} ({self.elements} element"
                 f"{'s' if self.elements != 1 else ''}): {self.second} is not ordered after "
@@ -80,7 +92,8 @@ class Race:
 
 
 KINDS = ("read before write", "write after read", "write after write", "uninitialized read",
-         "use before allocation", "free while in use", "output not ready", "input still read")
+         "use before allocation", "free while in use", "output not ready",
+         "still read at the return", "stream not joined")
 
 
 @dataclasses.dataclass
@@ -101,7 +114,7 @@ class _Buffer:
 
 
 def _stream_str(key: Key, copier: int | None = None) -> str:
-    if key is _CALLER:
+    if key is CALLER:
         return "main_stream"
     if key == HOST:
         return "the host"
@@ -110,19 +123,18 @@ def _stream_str(key: Key, copier: int | None = None) -> str:
     return "CopyStream" if key == copier else f"Stream({key})"
 
 
-class _Checker(_Interpreter):
+class _Checker(Interpreter):
     """Runs a program on element ids (see the module docstring)."""
 
     def __init__(self, program: hir.HostProgram, env: dict[str, int]) -> None:
-        super().__init__(program, env, {}, _Streams(torch.device("cpu")))
+        super().__init__(program, env, {}, Streams(torch.device("cpu")))
         self.buffers: list[_Buffer] = []
         self.allocated: dict[str, int] = {}  # live allocations and inputs -> buffer index
         self.elements: dict[int, _Element] = {}
-        self.clocks: dict[Key, Clock] = {_CALLER: {_CALLER: 1}, HOST: {HOST: 1}}
+        self.clocks: dict[Key, Clock] = {CALLER: {CALLER: 1}, HOST: {HOST: 1}}
         self.found: dict[tuple[str, str, str, str], Race] = {}
         self.communications = 0
-        self.copier = hir.CopyStream(program.pool_size).position({}) \
-            if program.copy_stream else None
+        self.copier = program.pool_size if program.copy_stream else None  # CopyStream
 
     def stream_str(self, key: Key) -> str:
         return _stream_str(key, self.copier)
@@ -148,6 +160,8 @@ class _Checker(_Interpreter):
                written: Access | None = None, born: Access | None = None) -> None:
         """A new buffer ``name``: an input ``written`` before the call, or an allocation
         ``born`` on ``stream``."""
+        if name in self.allocated:  # the lowering never allocates in a loop
+            raise InternalError(f"{self.program.name}: {name} allocated again while live")
         index, size = len(self.buffers), int(torch.Size(shape).numel())
         self.buffers.append(_Buffer(name, device, stream, size))
         self.allocated[name] = index
@@ -257,9 +271,12 @@ class _Checker(_Interpreter):
 
     def finish(self, inputs: Sequence[hir.TensorInfo]) -> None:
         """What the caller does after the return: reads the outputs (GPU ones on its
-        stream, host ones on the host), may overwrite GPU inputs on its stream, and the
-        op's own temporaries go back to the allocator."""
-        caller, host = self.clock(_CALLER), self.clock(HOST)
+        stream, host ones on the host); may overwrite inputs and outputs on its stream
+        (or, for host memory, on the host once that stream has passed the call); the op's
+        temporaries go back to the allocator. And every stream that got work must have
+        been waited for by main_stream directly, after that work: the C++ runtime joins
+        the others only on exit, and a CUDA graph capture must rejoin every stream."""
+        caller, host = self.clock(CALLER), self.clock(HOST)
         outputs = set(self.program.outputs)
         for name in self.program.outputs:
             on_host = self.buffers[self.allocated[name]].device == "cpu"
@@ -269,19 +286,21 @@ class _Checker(_Interpreter):
                 w = self.elements[e].write
                 if w is None or not self.ordered(w, clock):
                     self.report("output not ready", e, w, f"{name} read by {who}")
-        for info in inputs:
-            if info.device == "cpu":
-                continue  # a host input's copies are queued on main_stream's side, as
-                # any non_blocking copy in torch: the host may reuse it once that ends
-            for e in self.ids(info.name):
+        for name in [*(i.name for i in inputs), *self.program.outputs]:
+            for e in self.ids(name):
                 for r in self.elements[e].reads:
                     if not self.ordered(r, caller):
-                        self.report("input still read", e, r,
-                                    f"{info.name} written by main_stream after the return")
+                        self.report("still read at the return", e, r,
+                                    f"{name} overwritten by main_stream after the return")
         temporaries = set(self.allocated) - outputs - {i.name for i in inputs}
         for name in sorted(temporaries):
             if self.buffers[self.allocated[name]].device == "cuda":
                 self.check_free(self.allocated[name], f"{name} freed at the return")
+        for key in self.streams.pending:
+            name = self.stream_str(key)
+            self.found["stream not joined", name, "", ""] = Race(
+                "stream not joined", name, None,
+                "main_stream never waits for it after its last work")
 
 
 def find_races(program: hir.HostProgram, inputs: Sequence[torch.Tensor]) -> list[Race]:
@@ -292,7 +311,7 @@ def find_races(program: hir.HostProgram, inputs: Sequence[torch.Tensor]) -> list
     env = check_inputs(program, inputs)
     checker = _Checker(program, env)
     for info, x in zip(program.inputs, inputs):
-        key = HOST if info.device == "cpu" else _CALLER
+        key = HOST if info.device == "cpu" else CALLER
         written = Access(key, 0, f"{info.name} written by {_stream_str(key)} before the call")
         checker.buffer(info.name, x.shape, info.device, key, written)
     checker.run(program.body)

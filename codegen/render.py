@@ -266,8 +266,8 @@ def _input_checks(program: hir.HostProgram, names: _Names) -> dict[str, Any]:
 def _stream(ref: hir.StreamRef) -> str:
     if isinstance(ref, str):
         return ref
-    if isinstance(ref, hir.CopyStream):  # the lease's stream after the pool's workers
-        return f"streams.worker({ref.position_str()} /* the copy stream */)"
+    if isinstance(ref, hir.CopyStream):
+        return f"streams.copy_stream({ref.position_str()})"
     return f"streams.worker({ref.position_str()})"
 
 

@@ -28,7 +28,7 @@ def test_show_with_a_copy_stream(capsys):
     text = capsys.readouterr().out
     assert "-> (T2) [copy_stream]:" in text and "    SetCurrentStream(CopyStream)" in text
     assert main(["show", "stream_weights", "--copy-stream", "--stage", "cpp"]) == 0
-    assert "streams.set_current(streams.worker(4 /* the copy stream */));" in \
+    assert "streams.set_current(streams.copy_stream(4));" in \
         capsys.readouterr().out
 
 

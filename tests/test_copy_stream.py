@@ -1,7 +1,8 @@
 """``copy_stream=True`` (hostir.queue_copies_in): host-to-device copies of host inputs read
 in slices go on one copy stream, in slice order, each waiting for its slot's worker, and
 each slice's GEMM waits for its copy. Structure, order (codegen.races), values (the
-evaluator, exact on the CPU) and the C++; the GPU tests are in test_copy_gpu.py."""
+evaluator, exact on the CPU) and the C++; the GPU tests are in test_copy_gpu.py (its
+graph-capture test runs with a copy stream too)."""
 
 import dataclasses
 
@@ -72,7 +73,7 @@ def test_a_slot_per_slice_needs_no_wait_for_its_worker():
     assert "Synchronize(Stream(i" not in text
 
 
-def test_both_host_inputs_are_copied_on_the_copy_stream():
+def test_only_copies_of_slices_move_to_the_copy_stream():
     with cg.Fusion("both_on_host") as fusion:
         out = cg.matmul(cg.input(["m", "k"], device="cpu"), cg.input(["k", "n"], device="cpu"))
         cg.output(out)
@@ -131,6 +132,19 @@ def test_without_the_wait_for_the_copy_the_gemm_reads_a_slot_being_written():
     assert {(r.kind, r.tensor) for r in found} == {("read before write", "T1_stage")}
 
 
+@pytest.mark.parametrize("slices", [3, 8])
+def test_the_copy_stream_must_be_joined_directly(slices):
+    """Without its own join the copy stream is still ordered before the caller's stream
+    (each copy is waited for by a worker that is joined), but the C++ runtime would join
+    it only on exit and a CUDA graph capture must rejoin it: the checker names it."""
+    program = lower(ex.stream_weights, slices)
+    program = program.replace(body=[n for n in program.body if not (
+        isinstance(n, hir.Synchronize) and isinstance(n.stream, hir.CopyStream))])
+    found = races.find_races(program, [ints(9, 16), ints(16, 13)])
+    assert [str(r) for r in found] == ["stream not joined: CopyStream got work, and "
+                                       "main_stream never waits for it after its last work"]
+
+
 @pytest.mark.parametrize("make,slices,pool", [
     (ex.stream_weights, 8, 1),  # pool_size=1: the caller's stream
     (ex.offload_activations, 1, 4),  # one slice: the caller's stream
@@ -156,7 +170,7 @@ def test_copy_stream_cpp():
     for node in program.nodes():
         assert f"// hir: {node}" in source
     lines = [line.strip() for line in source.splitlines()]
-    copier = "streams.worker(4 /* the copy stream */)"
+    copier = "streams.copy_stream(4)"
     assert f"streams.set_current({copier});" in lines
     assert "streams.wait(streams.worker(i % 4));" in lines  # the copy stream, for the slot
     assert f"streams.wait({copier});" in lines  # the worker, for the copy
@@ -168,8 +182,9 @@ def test_copy_stream_cpp():
         < loop.index("gemms.matmul(T2_i, T0, T1_s, streams.current());")
 
 
-def test_copy_stream_op_builds(cache_dir):
-    op = cg.compile(ex.stream_weights(torch.bfloat16, 8), copy_stream=True)
+@pytest.mark.parametrize("make", [ex.stream_weights, ex.offload_activations])
+def test_copy_stream_op_builds(cache_dir, make):
+    op = cg.compile(make(torch.bfloat16, 8), copy_stream=True)
     assert op.library.is_file()
     assert "[copy_stream]" in str(op.host_ir)
-    assert "streams.wait(streams.worker(4 /* the copy stream */));" in op.source
+    assert "streams.wait(streams.copy_stream(4));" in op.source

@@ -88,8 +88,12 @@ def test_missing_fork_leaves_inputs_and_new_allocations_unordered():
 
 def test_missing_join_leaves_outputs_temporaries_and_inputs_unordered():
     program = without(offload(), is_join)
-    assert kinds(program, zeros(OFFLOAD)) == {"free while in use", "output not ready",
-                                              "input still read"}
+    found = races.find_races(program, zeros(OFFLOAD))
+    assert {r.kind for r in found} == {"free while in use", "output not ready",
+                                       "still read at the return", "stream not joined"}
+    assert sorted(str(r) for r in found if r.kind == "stream not joined") == [
+        f"stream not joined: Stream({k}) got work, and main_stream never waits for it after "
+        "its last work" for k in range(4)]
 
 
 def test_missing_host_wait_leaves_a_host_output_unready():
@@ -147,7 +151,7 @@ def test_a_collective_not_waited_for_is_read_unordered():
     program = without(cg.lower(example.make()), lambda n: isinstance(n, distributed.Wait))
     races_ = races.find_races(program, zeros(example))
     assert {r.kind for r in races_} == {"read before write", "free while in use",
-                                        "input still read"}
+                                        "still read at the return"}
     assert any("collective stream of comm_i" in str(r) and r.tensor == "x_gathered"
                for r in races_)
 

@@ -4,9 +4,9 @@ and through the stream-order checker (codegen.races).
 Seeded and bounded: each case draws an op, a stream axis, a chain of splits ending in a
 stream-parallel outer part, and extents (including 0 and 1), then checks the values and
 that every access of the host program is ordered. With ``placement``, each input and the
-output also land in host memory or on the GPU at random, and half the cases queue their
-copies in on a copy stream (drawn from a separate generator, so the schedules of the
-first test stay what they were)."""
+output also land in host memory or on the GPU at random (drawn from a separate generator,
+so the schedules of the first test stay what they were), with and without a copy
+stream."""
 
 import random
 
@@ -15,6 +15,7 @@ import torch
 from conftest import ints
 
 import codegen as cg
+from codegen import hostir as hir
 from codegen import races
 
 
@@ -55,9 +56,9 @@ def draw_case(rng: random.Random, placement: random.Random | None = None):
     return kind, fusion, shapes
 
 
-def check_case(rng: random.Random, placement: random.Random | None = None):
+def check_case(rng: random.Random, placement: random.Random | None = None,
+               copy_stream: bool = False):
     kind, fusion, shapes = draw_case(rng, placement)
-    copy_stream = bool(placement and placement.random() < 0.5)
     program = cg.lower(fusion, pool_size=rng.choice([1, 2, 4]), copy_stream=copy_stream)
     xs = [ints(*s) for s in shapes]
     races.check(program, xs)
@@ -68,6 +69,7 @@ def check_case(rng: random.Random, placement: random.Random | None = None):
         expect = torch.matmul(*xs)
     assert out.shape == expect.shape, (kind, shapes, str(program))
     assert torch.equal(out, expect), (kind, shapes, str(program))
+    return program
 
 
 @pytest.mark.parametrize("seed", range(60))
@@ -75,6 +77,22 @@ def test_random_schedule_matches_torch_and_is_ordered(seed):
     check_case(random.Random(seed))
 
 
+@pytest.mark.parametrize("copy_stream", [False, True])
 @pytest.mark.parametrize("seed", range(60))
-def test_random_placement_matches_torch_and_is_ordered(seed):
-    check_case(random.Random(seed), placement=random.Random(1000 + seed))
+def test_random_placement_matches_torch_and_is_ordered(seed, copy_stream):
+    check_case(random.Random(seed), random.Random(1000 + seed), copy_stream)
+
+
+def test_random_placements_exercise_the_copy_stream():
+    """The copy-stream cases are not vacuous: many programs move copies onto it, with
+    slots reused by later slices (Synchronize(Stream(i % pool)) on the copy stream)."""
+    queued = reused = 0
+    for seed in range(60):
+        program = check_case(random.Random(seed), random.Random(1000 + seed), True)
+        nodes = list(program.nodes())
+        on_copier = [n for n in nodes if isinstance(n, hir.SetCurrentStream)
+                     and isinstance(n.stream, hir.CopyStream)]
+        queued += bool(on_copier)
+        reused += any(isinstance(n, hir.Synchronize) and isinstance(n.stream, hir.Stream)
+                      and n.stream.pool for n in nodes)
+    assert queued >= 20 and reused >= 5, (queued, reused)

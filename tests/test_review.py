@@ -128,7 +128,7 @@ def test_guard_restores_the_callers_device_and_stream(monkeypatch, fault):
     cuda.install(monkeypatch)
     caller1 = cuda.streams[1]
     with pytest.raises(Fault) if fault else contextlib.nullcontext():
-        with evaluator._Streams(torch.device("cuda", 1)) as streams:
+        with evaluator.Streams(torch.device("cuda", 1)) as streams:
             streams.set_current(0)
             streams.set_current(1)
             assert cuda.device == 1 and cuda.streams[1].name == "worker1"

@@ -247,6 +247,11 @@ class Streams {
   const Stream& caller() const { return caller_; }
   const Stream& current() const { return current_; }
   Stream worker(int64_t k) { return lease_->worker(k); }
+  // The stream that queues a loop's host-to-device copies (the host IR's CopyStream): the
+  // lease's stream after the `pool` workers a loop can use. A program with a larger pool
+  // uses it as a worker; that is safe: a thread's calls run one after another, and each
+  // call's fork orders the streams it uses after the caller's stream.
+  Stream copy_stream(int64_t pool) { return lease_->worker(pool); }
 
   void set_current(const Stream& s) {
     if (s.handle == current_.handle) return;
