@@ -85,10 +85,11 @@ class Race:
     def __str__(self) -> str:
         if self.kind == "stream not joined":
             return f"{self.kind}: {self.tensor} got work, and {self.second}"
-        first = self.first.what if self.first else "nothing (never written)"
-        return (f"{self.kind} on {self.tensor} ({self.elements} element"
-                f"{'s' if self.elements != 1 else ''}): {self.second} is not ordered after "
-                f"{first}")
+        where = (f"{self.kind} on {self.tensor} ({self.elements} element"
+                 f"{'s' if self.elements != 1 else ''})")
+        if self.first is None:
+            return f"{where}: {self.second}, but nothing wrote them"
+        return f"{where}: {self.second} is not ordered after {self.first.what}"
 
 
 KINDS = ("read before write", "write after read", "write after write", "uninitialized read",
