@@ -64,7 +64,7 @@ HOST = "host"  # the key of the host thread's clock
 _ID_BITS = 32  # element id = buffer index << _ID_BITS | offset in the buffer
 
 Key = object  # a stream's clock key: CALLER, a worker index, HOST, or ("comm", n)
-Clock = dict  # Key -> the first epoch of that stream not yet seen
+Clock = dict[Key, int]  # stream -> the first of its epochs not yet seen
 
 
 @dataclasses.dataclass(frozen=True)
@@ -195,18 +195,20 @@ class _Checker(Interpreter):
         self.join(key, HOST)  # queued now, so after whatever the host has waited for
         clock = self.clock(key)
         a = Access(key, clock[key], self.where(node, key))
-        for e in (e for name in [*reads, *writes] for e in self.ids(name)):
+        read = [e for name in reads for e in self.ids(name)]
+        written = [e for name in writes for e in self.ids(name)]
+        for e in [*read, *written]:
             born = self.elements[e].born
             if born is not None and not self.ordered(born, clock):
                 self.report("use before allocation", e, born, a.what)
-        for e in (e for name in reads for e in self.ids(name)):
+        for e in read:
             state = self.elements[e]
             if state.write is None:
                 self.report("uninitialized read", e, None, a.what)
             elif not self.ordered(state.write, clock):
                 self.report("read before write", e, state.write, a.what)
             state.reads.append(a)
-        for e in (e for name in writes for e in self.ids(name)):
+        for e in written:
             state = self.elements[e]
             for r in state.reads:
                 if r is not a and not self.ordered(r, clock):
