@@ -275,8 +275,8 @@ int main() {
 
 def nvtx_range_ns() -> float | None:
     """Host nanoseconds of one codegen NVTX range with no tool attached (best of 5)."""
-    from codegen.build import cuda_home
-    from codegen.render import include_dir
+    from codegen.builder import cuda_home
+    from codegen.renderer import include_dir
 
     home = cuda_home()
     if home is None:

@@ -54,7 +54,7 @@ from interleave import rotated  # noqa: E402
 
 import codegen as cg  # noqa: E402
 from codegen import examples  # noqa: E402
-from codegen.build import build_library  # noqa: E402
+from codegen.builder import build_library  # noqa: E402
 
 SLICES = (1, 2, 4, 8)
 LIBRARIES = ("cublaslt", "cublas")

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from gpu_timing import gpu_busy
 
-from codegen.build import cuda_home
+from codegen.builder import cuda_home
 
 SOURCE = Path(__file__).resolve().with_name("launch_floor.cpp")
 NAME = "bench_launch_floor"

@@ -4,7 +4,7 @@ Describe a tensor program, split an axis onto CUDA streams, and get a host IR, C
 a compiled torch op, and a reference evaluator. See README.md and DESIGN.md.
 """
 
-from .build import BuildError, CompiledOp, build, compile
+from .builder import BuildError, CompiledOp, build, compile
 from .errors import InternalError, ScheduleError
 from .evaluator import evaluate
 from .hostir import HostProgram
@@ -20,7 +20,7 @@ from .ir import (
     output,
 )
 from .lowering import lower, schedule
-from .render import render
+from .renderer import render
 
 __all__ = [
     "BuildError",

@@ -16,7 +16,7 @@ CSRC_GEN = REPO / "csrc_gen"
 def golden_sources() -> dict[str, str]:
     """File name -> generated C++ of every bundled example."""
     from .lowering import lower
-    from .render import render
+    from .renderer import render
 
     examples = {**EXAMPLES, **DISTRIBUTED_EXAMPLES}
     return {f"{name}.cpp": render(lower(ex.make())) for name, ex in examples.items()}
@@ -55,7 +55,7 @@ def stale_goldens(out: Path) -> str:
 
 def show(name: str, stage: str, copy_stream: bool = False) -> str:
     from . import lowering
-    from .render import render
+    from .renderer import render
 
     fusion = example(name).make()
     if stage == "ir":

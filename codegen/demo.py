@@ -13,7 +13,7 @@ import time
 import torch
 
 from . import examples, races
-from .build import compile
+from .builder import compile
 from .evaluator import evaluate
 from .lowering import lower
 

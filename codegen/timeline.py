@@ -237,7 +237,7 @@ def draw_timeline(example: str, out: Path, size: int = 4096,
     ``size`` on the GPU under the profiler and draws its kernels and copies per stream
     into ``out`` (PNG). Returns the path and, for a program with host copies, the overlap
     report (else "")."""
-    from .build import compile
+    from .builder import compile
     from .examples import example as get_example
 
     if not torch.cuda.is_available():

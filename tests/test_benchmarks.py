@@ -333,7 +333,7 @@ def test_host_cost_says_it_needs_a_gpu():
 def test_host_cost_ladder_builds_and_registers_each_step(cache_dir):
     import host_cost
 
-    from codegen.build import build_library
+    from codegen.builder import build_library
 
     build_library("codegen_bench_host_cost_ladder", host_cost.LADDER_SOURCE)
     for i in range(len(host_cost.LADDER)):

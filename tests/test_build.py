@@ -12,7 +12,7 @@ from helpers import stream_matmul_columns
 
 import codegen as cg
 from codegen.__main__ import CSRC_GEN, stale_goldens
-from codegen.build import BuildError, build_library
+from codegen.builder import BuildError, build_library
 from codegen.examples import DISTRIBUTED_EXAMPLES, EXAMPLES
 
 REPO = Path(__file__).resolve().parent.parent

@@ -423,8 +423,8 @@ TESTS = Path(__file__).resolve().parent
 def cxx(source: Path, out: Path, *flags: str) -> Path:
     """Compiles ``source`` with the programs' flags and include path (torch, the CUDA
     toolkit, the runtime), warnings as errors; links nothing of torch's."""
-    from codegen.build import BuildError, toolchain
-    from codegen.render import include_dir
+    from codegen.builder import BuildError, toolchain
+    from codegen.renderer import include_dir
 
     try:
         tools = toolchain()
@@ -739,7 +739,7 @@ STABLE_TORCH_LIBRARY_IMPL(codegen, CPU, m) { m.impl("NAME", TORCH_BOX(&NAME)); }
 
 WARN_ONCE = """
 import warnings, torch
-from codegen.build import build_library
+from codegen.builder import build_library
 import sys
 for name in ("warn_probe_a", "warn_probe_b"):
     build_library(name, sys.argv[1].replace("NAME", name))

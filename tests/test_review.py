@@ -329,3 +329,19 @@ def test_a_failed_input_reserves_no_names():
             cg.input([None, -1], name="x")
         cg.input(["x_size0"], name="y")  # x never existed: its free name is free
     assert [str(e) for e in fusion.inputs[0].shape] == ["x_size0"]
+
+
+def test_stage_modules_are_not_shadowed_by_the_public_functions():
+    """``cg.render`` and ``cg.build`` are functions (the public API); the stages that hold
+    them are modules of their own names, importable as modules."""
+    import importlib
+    import inspect
+
+    import codegen.builder as builder_module
+    import codegen.renderer as renderer_module
+
+    assert inspect.ismodule(builder_module) and inspect.ismodule(renderer_module)
+    assert cg.render is renderer_module.render and cg.build is builder_module.build
+    assert inspect.isfunction(cg.render) and inspect.isfunction(cg.build)
+    for name in ("codegen.builder", "codegen.renderer"):
+        assert inspect.ismodule(importlib.import_module(name))

@@ -11,9 +11,9 @@ import torch
 
 import codegen as cg
 from codegen.examples import matmul_rows
-from codegen.render import op_name
+from codegen.renderer import op_name
 
-build_module = importlib.import_module("codegen.build")  # cg.build is the function
+build_module = importlib.import_module("codegen.builder")  # cg.build is the function
 
 
 def test_constraints_are_part_of_the_op_name():

@@ -8,7 +8,7 @@ import itertools
 import pytest
 import torch
 
-from codegen.build import build_library
+from codegen.builder import build_library
 
 HARNESS = r"""
 #include "codegen/runtime.h"

@@ -89,8 +89,8 @@ def _environment() -> jinja2.Environment:
 
 # Modules that cannot change a program's C++ (they build, run, time or show it); every
 # other module of the package is hashed into the op name, new ones included by default.
-# (build.py's flags key the build cache instead.)
-_NOT_SHAPING_CPP = frozenset({"build.py", "evaluator.py", "timeline.py", "demo.py",
+# (builder.py's flags key the build cache instead.)
+_NOT_SHAPING_CPP = frozenset({"builder.py", "evaluator.py", "timeline.py", "demo.py",
                               "__main__.py", "timing.py", "collectives.py", "races.py"})
 
 
@@ -113,7 +113,7 @@ def _renderer_digest() -> str:
 @functools.cache
 def runtime_headers_digest() -> str:
     """A hash of the runtime headers (``include_dir()``): part of the op name, and the
-    version of what the programs in a process share (``CODEGEN_RT_ABI``, build.py)."""
+    version of what the programs in a process share (``CODEGEN_RT_ABI``, builder.py)."""
     return _files_digest(sorted(include_dir().rglob("*.h")))
 
 

@@ -43,7 +43,7 @@ import torch
 from . import collectives, distributed
 from . import hostir as hir
 from .evaluator import check_inputs, program_device
-from .render import (
+from .renderer import (
     NAMESPACE,
     include_dir,
     op_name,
