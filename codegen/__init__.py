@@ -1,7 +1,7 @@
 """codegen: stream-parallel host programs for PyTorch, generated as C++.
 
 Describe a tensor program, split an axis onto CUDA streams, and get a host IR, C++ source,
-a compiled torch op, and a reference evaluator. See README.md and DESIGN.md.
+a compiled torch op, and a reference evaluator. See README.md.
 """
 
 from .builder import BuildError, CompiledOp, build, compile
@@ -14,10 +14,15 @@ from .ir import (
     IterDomain,
     ParallelType,
     TensorView,
+    add,
+    cast,
+    gelu,
     input,
     linear,
     matmul,
+    mul,
     output,
+    silu,
 )
 from .lowering import lower, schedule
 from .renderer import render
@@ -36,11 +41,16 @@ __all__ = [
     "ParallelType",
     "ScheduleError",
     "TensorView",
+    "add",
+    "cast",
     "evaluate",
+    "gelu",
     "input",
     "linear",
     "lower",
     "matmul",
+    "mul",
     "output",
     "schedule",
+    "silu",
 ]

@@ -74,7 +74,7 @@ from collections.abc import Sequence
 import torch
 
 from . import hostir as hir
-from . import passes
+from . import ops, passes
 from .errors import InternalError, ScheduleError
 from .ir import (
     DTYPE_NAMES,
@@ -83,14 +83,14 @@ from .ir import (
     Expr,
     Fusion,
     IterDomain,
-    MatmulOp,
     Mul,
+    Op,
     ParallelType,
     Split,
     Sym,
     TensorView,
     ceil_div,
-    mul,
+    mul_extents,
 )
 
 DIDx = ParallelType.DIDx
@@ -216,10 +216,10 @@ class Plan:
     the communication and the stream slicing."""
 
     mesh: DeviceMesh
-    op: MatmulOp
+    op: Op
     layouts: dict[tuple[str, int], AxisLayout]
     communication: CommunicationPlan | None
-    stream_group: int | None  # index in op.axis_groups() of the group on streams
+    stream_group: int | None  # index in op.iteration_groups() of the group on streams
     slices: int | None
 
 
@@ -344,15 +344,15 @@ def _check_tensor(tv: TensorView) -> None:
                                     "parallelized)")
 
 
-def _single_matmul(fusion: Fusion) -> MatmulOp:
+def _single_matmul(fusion: Fusion) -> Op:
     op = fusion.ops[0] if len(fusion.ops) == 1 else None
-    if (not isinstance(op, MatmulOp) or (op.a.ndim, op.b.ndim) != (2, 2)
+    if (op is None or op.defn is not ops.MATMUL or (op.a.ndim, op.b.ndim) != (2, 2)
             or op.a not in fusion.inputs or op.b not in fusion.inputs
             or fusion.outputs != [op.out]):
-        ops = "; ".join(map(str, fusion.ops)) or "no ops"
+        found = "; ".join(map(str, fusion.ops)) or "no ops"
         raise ScheduleError(
             f"distributed Fusion {fusion.name}: one 2-D matmul of two fusion inputs, whose "
-            f"result is the only output, is supported for now; found {ops}")
+            f"result is the only output, is supported for now; found {found}")
     return op
 
 
@@ -376,8 +376,8 @@ def analyze(fusion: Fusion) -> Plan:
     operands = op.operands()
     layouts = {(n, a): _axis_layout(t, a, mesh)
                for n, t in operands.items() for a in range(len(t.logical))}
-    groups = op.axis_groups()
-    *iteration, contraction = groups
+    iteration = op.iteration_groups()
+    (contraction,) = [g.members for g in op.axes() if g.reduction]
     out = op.out.name
 
     def where(member: tuple[str, int]) -> str:
@@ -500,7 +500,9 @@ class _Extents:
         self.local: dict[str, str] = {}  # global symbol -> local symbol
         self.checks: dict[Expr, list[tuple[int, str]]] = {}
         self.why: dict[Expr, tuple[Expr, int, str]] = {}  # ceilDiv(x, q) -> (x, q, why)
-        used = set(fusion.symbols())
+        # Fresh against tensor names too: a tensor and an extent may share a name (the C++
+        # keeps them apart, see renderer._Names), but a dump that reads both is clearer.
+        used = set(fusion.symbols()) | {t.name for t in fusion.tensors}
         operands = plan.op.operands()
         sharded_inputs = [(n, a) for (n, a), lay in plan.layouts.items()
                           if lay.sharded and n != "out"]
@@ -527,7 +529,7 @@ class _Extents:
 
     def global_(self, e: Expr) -> Expr:
         if isinstance(e, Sym) and e.name in self.local:
-            return mul(Const(self.d), Sym(self.local[e.name]))
+            return mul_extents(Const(self.d), Sym(self.local[e.name]))
         return e
 
     def exact_div(self, e: Expr, q: int, why: str) -> Expr:
@@ -539,7 +541,7 @@ class _Extents:
                 raise ScheduleError(f"a fixed size {e.value} must be divisible by {q} ({why})")
             return Const(e.value // q)
         if isinstance(e, Mul) and isinstance(e.lhs, Const) and e.lhs.value % q == 0:
-            return mul(Const(e.lhs.value // q), e.rhs)
+            return mul_extents(Const(e.lhs.value // q), e.rhs)
         base, divisor = e, q
         if e in self.why:  # ceilDiv(x, p) / q = ceilDiv(x, p * q), exact
             base, p, first = self.why[e]
@@ -709,8 +711,8 @@ def _constraints(plan: Plan, local: dict[tuple[str, int], Expr]) -> list[hir.Con
     """Local extents the contraction needs equal that are different expressions."""
     operands = plan.op.operands()
     out: list[hir.Constraint] = []
-    for group in plan.op.axis_groups():
-        members = [m for m in group if m[0] != "out"]
+    for group in plan.op.axes():
+        members = list(group.inputs())
         for m in members[1:]:
             if local[m] != local[members[0]]:
                 (n0, a0), (n, a) = members[0], m

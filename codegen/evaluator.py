@@ -11,12 +11,13 @@ ordered after every worker stream used, and the caller's current device is resto
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable, Sequence
 
 import torch
 
-from . import distributed
+from . import distributed, ops
 from . import hostir as hir
 from .errors import InternalError
 from .ir import DTYPE_NAMES
@@ -120,7 +121,6 @@ def program_device(program: hir.HostProgram, inputs: Sequence[torch.Tensor]) -> 
 # interpreter's ``streams.log``). Nothing in the package sets it.
 _fault_hook: Callable[[Interpreter, hir.Node], None] | None = None
 
-_COMPUTE_NODES = (hir.Matmul, hir.Linear)
 CALLER = None  # the key of the caller's stream in Streams; workers are keyed by index
 
 
@@ -198,9 +198,19 @@ class Interpreter(distributed.CommunicationEvaluator):
 
     def run(self, nodes: list[hir.Node]) -> None:
         for node in nodes:
-            if _fault_hook is not None and isinstance(node, _COMPUTE_NODES):
+            if _fault_hook is not None and isinstance(node, hir.Compute):
                 _fault_hook(self, node)
-            getattr(self, type(node).__name__)(node)
+            self.handler(node)(node)
+
+    def handler(self, node: hir.Node) -> Callable[[hir.Node], None]:
+        """The method for ``node``'s kind: named as its class, or ``Compute`` for every
+        compute node."""
+        kind = "Compute" if isinstance(node, hir.Compute) else type(node).__name__
+        method = getattr(self, kind, None)
+        if method is None:
+            raise InternalError(f"{self.program.name}: the evaluator has no rule for "
+                                f"{kind} nodes ({node})")
+        return method
 
     # One method per node kind, named as the node.
     def Allocate(self, n: hir.Allocate) -> None:
@@ -251,34 +261,32 @@ class Interpreter(distributed.CommunicationEvaluator):
         if self.streams.cuda:
             self.streams.stream(self.stream_key(n.stream)).synchronize()
 
-    # An empty contraction (k = 0) sums nothing: the slice is zeros (or the bias). torch
-    # cannot always say so itself: matmul(out=) of a 3-D x 2-D folds the operands to 2-D,
-    # and for k = 0 it then fails on an out that is a non-contiguous slice (rows of 3-D).
-    def Matmul(self, n: hir.Matmul) -> None:
-        v = self.values
-        a, b, out = v[n.a], v[n.b], v[n.out]
-        if a.shape[-1] == 0:
-            out.zero_()
+    def Compute(self, n: hir.Compute) -> None:
+        """One op (or a fused expression) into ``out``: a GEMM by its definition's torch
+        call, then its epilogue in place; a pointwise expression computed in its compute
+        dtype (fp32 for half types) and rounded once into ``out``, as the kernel does."""
+        out = self.values[n.out]
+        gemm = n.gemm
+        if gemm is None:
+            out.copy_(self.pointwise(n.expr, ops.compute_dtype(self.dtypes(n))))
             return
-        if a.dim() == 3 and b.dim() == 2:
-            # torch.matmul(out=) folds 3-D x 2-D into one mm on out viewed 2-D, and fails
-            # when out's batch stride is not rows * columns (a strided batched view).
-            b = b.expand(a.shape[0], -1, -1)
-        torch.matmul(a, b, out=out)
+        gemm.defn.evaluate({k: self.values[v] for k, v in gemm.operands().items()}, out,
+                           dict(gemm.attrs))
+        if n.epilogue is not None:
+            out.copy_(self.pointwise(dataclasses.replace(n.epilogue, args=(n.out,)),
+                                     ops.compute_dtype([out.dtype])))
 
-    def Linear(self, n: hir.Linear) -> None:
-        v = self.values
-        x, w, out = v[n.x], v[n.w], v[n.out]
-        if x.shape[-1] == 0 and n.bias is None:
-            out.zero_()
-        elif x.shape[-1] == 0:
-            out.copy_(v[n.bias].expand_as(out))
-        elif n.bias is None:
-            torch.matmul(x, w.t(), out=out)
-        elif x.dim() == 2:
-            torch.addmm(v[n.bias], x, w.t(), out=out)
-        else:
-            torch.baddbmm(v[n.bias], x, w.t().expand(x.shape[0], -1, -1), out=out)
+    def dtypes(self, n: hir.Compute) -> list[torch.dtype]:
+        return [self.values[v].dtype for v in n.uses()]
+
+    def pointwise(self, e: hir.Apply | str, dtype: torch.dtype) -> torch.Tensor:
+        if isinstance(e, str):
+            return self.values[e].to(dtype)
+        args = [self.pointwise(a, dtype) for a in e.args]
+        compute = e.defn.compute
+        if compute is None:
+            raise InternalError(f"{self.program.name}: {e.defn.node} is not pointwise")
+        return compute(*args, **dict(e.attrs))
 
 
 def evaluate(program: hir.HostProgram, inputs: Sequence[torch.Tensor], *,

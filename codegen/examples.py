@@ -137,6 +137,63 @@ def offload_activations(dtype: torch.dtype = torch.bfloat16, slices: int = 8,
     return _split_matmul(name, dtype, 0, slices, x_device="cpu", out_device="cpu")
 
 
+def _weights(what: str, weights: str) -> str:
+    if weights not in ("cuda", "cpu"):
+        raise ScheduleError(f"{what}: weights must be \"cuda\" (GPU memory) or \"cpu\" (host "
+                            f"memory, streamed in slice by slice), got {weights!r}")
+    return weights
+
+
+def _check_slices(what: str, slices: int) -> None:
+    if isinstance(slices, bool) or not isinstance(slices, int) or slices < 1:
+        raise ScheduleError(f"{what}: slices must be an int >= 1, got {slices!r}")
+
+
+def llama_mlp(dtype: torch.dtype = torch.bfloat16, slices: int = 4, weights: str = "cuda",
+              name: str = "llama_mlp") -> Fusion:
+    """A Llama MLP, ``down(silu(gate(x)) * up(x))``: ``op(x [m, h], w_gate [i, h],
+    w_up [i, h], w_down [h, i]) -> [m, h]``, as transformers' LlamaMLP computes it with
+    ``F.linear``. The intermediate axis (``inter``) is in ``slices`` stream slices: slice
+    j's gate and up GEMMs and its SiLU-and-multiply kernel run on one stream; ``down``
+    reduces over that axis, so it runs after the loop, on the whole intermediate.
+    ``weights="cpu"``: the three weights live in host memory (gate and up streamed in by
+    slices, down copied whole)."""
+    _check_slices("llama_mlp", slices)
+    device = _weights("llama_mlp", weights)
+    with Fusion(name) as fusion:
+        x = ir.input(["m", "h"], dtype, name="x")
+        w_gate = ir.input(["inter", "h"], dtype, name="w_gate", device=device)
+        w_up = ir.input(["inter", "h"], dtype, name="w_up", device=device)
+        w_down = ir.input(["h", "inter"], dtype, name="w_down", device=device)
+        act = ir.mul(ir.silu(ir.linear(x, w_gate)), ir.linear(x, w_up))
+        ir.output(ir.linear(act, w_down))
+    act.outer_split(1, slices)
+    act.axis(1).parallelize(Stream)
+    return fusion
+
+
+def gpt_mlp(dtype: torch.dtype = torch.bfloat16, slices: int = 4, weights: str = "cuda",
+            name: str = "gpt_mlp") -> Fusion:
+    """A GPT MLP, ``fc2(gelu(fc1(x)))`` with biases: ``op(x [m, h], w1 [i, h], b1 [i],
+    w2 [h, i], b2 [h]) -> [m, h] = F.linear(F.gelu(F.linear(x, w1, b1),
+    approximate="tanh"), w2, b2)``. The intermediate axis in ``slices`` stream slices;
+    fc1's bias and the tanh-GELU run in its cuBLASLt epilogue; fc2 reduces over the
+    intermediate, after the loop. ``weights="cpu"``: weights and biases in host memory."""
+    _check_slices("gpt_mlp", slices)
+    device = _weights("gpt_mlp", weights)
+    with Fusion(name) as fusion:
+        x = ir.input(["m", "h"], dtype, name="x")
+        w1 = ir.input(["inter", "h"], dtype, name="w1", device=device)
+        b1 = ir.input(["inter"], dtype, name="b1", device=device)
+        w2 = ir.input(["h", "inter"], dtype, name="w2", device=device)
+        b2 = ir.input(["h"], dtype, name="b2", device=device)
+        act = ir.gelu(ir.linear(x, w1, b1), approximate="tanh")
+        ir.output(ir.linear(act, w2, b2))
+    act.outer_split(1, slices)
+    act.axis(1).parallelize(Stream)
+    return fusion
+
+
 def _check_tp_args(what: str, slices: int, world_size: int) -> DeviceMesh:
     for arg, value in (("slices", slices), ("world_size", world_size)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -227,6 +284,11 @@ EXAMPLES: dict[str, Example] = {
                 ((9, 16), (16, 13))),
         Example("offload_activations", offload_activations.__doc__ or "",
                 offload_activations, ((13, 16), (16, 10))),
+        # Ragged: 22 = 4 slices of 6, the last of 4.
+        Example("llama_mlp", llama_mlp.__doc__ or "", llama_mlp,
+                ((12, 16), (22, 16), (22, 16), (16, 22))),
+        Example("gpt_mlp", gpt_mlp.__doc__ or "", gpt_mlp,
+                ((12, 16), (22, 16), (22,), (16, 22), (16,))),
     )
 }
 

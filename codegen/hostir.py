@@ -14,6 +14,7 @@ from typing import ClassVar
 
 import torch
 
+from . import ops
 from .errors import InternalError
 from .ir import DEVICES, DTYPE_NAMES, Const, Expr, ParallelType, minimum
 
@@ -100,6 +101,12 @@ class Node:
     def defines(self) -> list[str]:
         """Tensor values this node defines."""
         return []
+
+    def renamed(self, mapping: Mapping[str, str]) -> Node:
+        """This node (a new one if anything changed) with tensor names replaced."""
+        changes = {f: mapping[v] for f in self.tensor_fields
+                   if (v := getattr(self, f)) in mapping}
+        return dataclasses.replace(self, **changes) if changes else self  # type: ignore
 
 
 @dataclasses.dataclass(eq=False)
@@ -196,44 +203,128 @@ class ShardByStream(Node):
                 f"index={self.index}, chunk={self.chunk})")
 
 
-@dataclasses.dataclass(eq=False)
-class Matmul(Node):
-    """``out`` (already allocated, possibly a slice) = ``a @ b``."""
+@dataclasses.dataclass(frozen=True)
+class Apply:
+    """An op applied to values: ``op`` names an ``ops.OpDef``; each argument is a tensor
+    value's name, a nested Apply (fused: computed in the same kernel, or in a GEMM's
+    epilogue, never stored), or None (an absent optional operand); ``attrs`` are
+    (name, value) pairs in the definition's order. Prints as the host IR spells it:
+    ``Mul(Silu(T3_i), T4_i)``."""
+
+    op: str
+    args: tuple[Apply | str | None, ...]
+    attrs: tuple[tuple[str, object], ...] = ()
+
+    @property
+    def defn(self) -> ops.OpDef:
+        return ops.get(self.op)
+
+    def leaves(self) -> list[str]:
+        """The tensor values read, in order of first appearance."""
+        out: dict[str, None] = {}
+        for a in self.args:
+            if isinstance(a, Apply):
+                out.update(dict.fromkeys(a.leaves()))
+            elif a is not None:
+                out[a] = None
+        return list(out)
+
+    def renamed(self, mapping: Mapping[str, str]) -> Apply:
+        args = tuple(a.renamed(mapping) if isinstance(a, Apply)
+                     else mapping.get(a, a) if a is not None else None for a in self.args)
+        return dataclasses.replace(self, args=args)
+
+    def operands(self) -> dict[str, Apply | str]:
+        """The arguments by the definition's operand names (absent optional ones left out)."""
+        return {n: a for n, a in zip(self.defn.operands, self.args) if a is not None}
+
+    def parts(self) -> list[str]:
+        """The printed arguments: values, then ``name=value`` attributes."""
+        return [str(a) for a in self.args if a is not None] + \
+            [f"{k}={ops.attr_str(v)}" for k, v in self.attrs]
+
+    def __str__(self) -> str:
+        return f"{self.defn.node}({', '.join(self.parts())})"
+
+
+@dataclasses.dataclass(eq=False, init=False)
+class Compute(Node):
+    """``out`` (already allocated, possibly a slice) = ``expr``, queued on the current
+    stream: a GEMM (``Matmul(T0, T1_i, out=T2_i)``), a GEMM with its epilogue
+    (``Gelu(Linear(T0, T1_i, T2_i), approximate=tanh, out=T3_i)``: cuBLASLt applies the
+    activation before rounding), or a pointwise expression computed by one kernel
+    (``Mul(Silu(T3_i), T4_i, out=T5_i)``). The node's class is named for the op at the
+    root of ``expr`` (``Matmul``, ``Linear``, ``Silu``, ... see ``node_class``), so
+    ``isinstance(n, hostir.Matmul)`` reads as the dump does.
+
+    Built either from an expression, ``Compute.of(expr, out)``, or as one op applied to
+    values, ``Matmul("T2_i", "T0", "T1_i")`` (out first, then the operands in the
+    definition's order, attributes by keyword)."""
 
     out: str
-    a: str
-    b: str
-    tensor_fields: ClassVar[tuple[str, ...]] = ("out", "a", "b")
+    expr: Apply
+    defn: ClassVar[ops.OpDef | None] = None  # the root op of the class's nodes
+
+    def __init__(self, out: str, *args: str | None, expr: Apply | None = None,
+                 **attrs: object) -> None:
+        if expr is None:
+            if self.defn is None:
+                raise InternalError("Compute needs expr= or a node class of one op")
+            names = self.defn.attrs
+            if set(attrs) - set(names):
+                raise InternalError(f"{self.defn.node}: unknown attributes {sorted(attrs)}")
+            expr = Apply(self.defn.name, args, tuple((k, attrs[k]) for k in names if k in attrs))
+        self.out, self.expr = out, expr
+
+    @staticmethod
+    def of(expr: Apply, out: str) -> Compute:
+        return NODE_CLASSES[expr.op](out, expr=expr)
+
+    def __getattr__(self, name: str) -> str | Apply | None:
+        """The root op's operands by name (``node.a``, ``node.bias``: None if absent)."""
+        expr = self.__dict__.get("expr")
+        if expr is not None and name in expr.defn.operands:
+            return expr.operands().get(name)
+        raise AttributeError(name)
 
     def uses(self) -> list[str]:
-        return [self.a, self.b, self.out]
+        return [*self.expr.leaves(), self.out]
+
+    def reads(self) -> list[str]:
+        return self.expr.leaves()
 
     def writes(self) -> list[str]:
         return [self.out]
 
-    def __str__(self) -> str:
-        return f"Matmul({self.a}, {self.b}, out={self.out})"
+    def renamed(self, mapping: Mapping[str, str]) -> Compute:
+        return Compute.of(self.expr.renamed(mapping), mapping.get(self.out, self.out))
 
+    @property
+    def gemm(self) -> Apply | None:
+        """The GEMM this node runs (at the root, or under its epilogue), or None."""
+        e = self.expr
+        if e.defn.is_pointwise and len(e.args) == 1 and isinstance(e.args[0], Apply):
+            e = e.args[0]
+        return e if e.defn.is_gemm else None
 
-@dataclasses.dataclass(eq=False)
-class Linear(Node):
-    """``out`` = ``x @ w.T (+ bias)``."""
-
-    out: str
-    x: str
-    w: str
-    bias: str | None = None
-    tensor_fields: ClassVar[tuple[str, ...]] = ("out", "x", "w", "bias")
-
-    def uses(self) -> list[str]:
-        return [self.x, self.w] + ([self.bias] if self.bias else []) + [self.out]
-
-    def writes(self) -> list[str]:
-        return [self.out]
+    @property
+    def epilogue(self) -> Apply | None:
+        """The pointwise op applied in the GEMM's epilogue, or None."""
+        return self.expr if self.gemm is not None and self.expr.defn.is_pointwise else None
 
     def __str__(self) -> str:
-        bias = f", {self.bias}" if self.bias else ""
-        return f"Linear({self.x}, {self.w}{bias}, out={self.out})"
+        return f"{self.expr.defn.node}({', '.join([*self.expr.parts(), f'out={self.out}'])})"
+
+
+def node_class(defn: ops.OpDef) -> type[Compute]:
+    """The Compute subclass of nodes whose root op is ``defn``, named as it prints."""
+    doc = f"``out`` = {defn.node}(...) (see Compute and codegen.ops.{defn.name.upper()})."
+    return type(defn.node, (Compute,), {"defn": defn, "__doc__": doc, "__module__": __name__})
+
+
+NODE_CLASSES: dict[str, type[Compute]] = {name: node_class(d) for name, d in ops.OPS.items()}
+Matmul = NODE_CLASSES["matmul"]
+Linear = NODE_CLASSES["linear"]
 
 
 @dataclasses.dataclass(eq=False)
@@ -536,17 +627,56 @@ def insert_fork_join(program: HostProgram) -> HostProgram:
     return out
 
 
-def remove_dead_code(program: HostProgram) -> HostProgram:
-    """Drops views and allocations that nothing reads (and their Deallocate).
+def _roots(program: HostProgram) -> dict[str, str]:
+    """Each view (a slice, a staging slot, an unflattened block) -> the tensor it views."""
+    root: dict[str, str] = {}
+    for n in program.nodes():
+        if isinstance(n, Allocate) or not n.defines() or not n.uses():
+            continue
+        viewed = n.uses()[0]
+        for d in n.defines():
+            root[d] = root.get(viewed, viewed)
+    return root
 
-    Before:  T3_i = ShardByStream(T3, ...)   # T3_i never used
+
+def _live_values(program: HostProgram) -> set[str]:
+    """The tensors whose values the program's outputs depend on: the outputs, what each
+    compute node or copy that writes a live tensor reads, and what every other node
+    uses (communications, views and stream nodes are kept as they are)."""
+    root = _roots(program)
+    live = set(program.outputs)
+    nodes = [n for n in program.nodes() if not isinstance(n, (ForLoop, Deallocate))]
+    while True:
+        before = len(live)
+        for n in nodes:
+            if isinstance(n, (Compute, Copy)):
+                if any(root.get(w, w) in live for w in n.writes()):
+                    live.update(v for r in n.uses() for v in (r, root.get(r, r)))
+            elif not isinstance(n, (ShardByStream, StagingSlot, Allocate)):
+                live.update(v for u in n.uses() for v in (u, root.get(u, u)))
+        if len(live) == before:
+            return live
+
+
+def remove_dead_code(program: HostProgram) -> HostProgram:
+    """Drops compute nodes and copies whose results no output depends on, then views and
+    allocations that nothing reads (and their Deallocate).
+
+    Before:  T3 = Allocate(...); Matmul(T0, T1, out=T3)   # T3 never read, not an output
+             T4_i = ShardByStream(T4, ...)                  # T4_i never used
     After:   (gone)
     """
+    live_values = _live_values(program)
+    root = _roots(program)
+
+    def dead_write(n: Node) -> bool:
+        return isinstance(n, (Compute, Copy)) and \
+            not any(root.get(w, w) in live_values for w in n.writes())
 
     def used_names(nodes: list[Node]) -> set[str]:
         names: set[str] = set()
         for n in nodes:
-            if not isinstance(n, Deallocate):
+            if not isinstance(n, Deallocate) and not dead_write(n):
                 names.update(n.uses())
             names |= used_names(n.children())
         return names
@@ -557,6 +687,8 @@ def remove_dead_code(program: HostProgram) -> HostProgram:
         kept: list[Node] = []
         for n in nodes:
             views = (ShardByStream, StagingSlot, Allocate)
+            if dead_write(n):
+                continue
             if isinstance(n, views) and not set(n.defines()) & live:
                 continue
             if isinstance(n, Deallocate) and n.tensor not in live:
@@ -567,6 +699,108 @@ def remove_dead_code(program: HostProgram) -> HostProgram:
         return kept
 
     return program.replace(body=keep(program.body))
+
+
+def _fusable(program: HostProgram, t: str) -> tuple[list[Node], Compute, Compute, str] | None:
+    """Where intermediate ``t`` can be computed inside its one reader: (the body holding
+    both nodes, the producer, the consumer, the value the consumer reads), or None.
+
+    ``t`` is a GPU allocation that is not an output; one Compute writes it (or its one
+    slice view) and one Compute after it, in the same body, reads that value once and
+    nothing else does; the reader has ``t``'s rank (so it does not broadcast ``t``);
+    nothing between them frees what the producer reads."""
+    bodies = [program.body] + [n.body for n in program.nodes() if isinstance(n, ForLoop)]
+    views = [n for n in program.nodes() if isinstance(n, ShardByStream) and n.tensor == t]
+    if len(views) > 1:
+        return None
+    value = views[0].out if views else t
+    users = [n for n in program.nodes() if not isinstance(n, (ForLoop, Deallocate))
+             and (t in n.uses() or value in n.uses()) and n not in views]
+    if len(users) != 2 or not all(isinstance(u, Compute) for u in users):
+        return None
+    producer, consumer = users
+    assert isinstance(producer, Compute) and isinstance(consumer, Compute)
+    if producer.out != value or value in producer.reads() or \
+            consumer.expr.leaves().count(value) != 1 or _count(consumer.expr, value) != 1:
+        return None
+    for body in bodies:
+        ids = [id(n) for n in body]
+        if id(producer) in ids and id(consumer) in ids:
+            p, c = ids.index(id(producer)), ids.index(id(consumer))
+            freed = {n.tensor for n in body[p:c] if isinstance(n, Deallocate)}
+            if p < c and not freed & set(producer.reads()):
+                return body, producer, consumer, value
+    return None
+
+
+def _count(e: Apply, value: str) -> int:
+    return sum(_count(a, value) if isinstance(a, Apply) else a == value for a in e.args)
+
+
+def _fused(producer: Compute, consumer: Compute, value: str, gemm_library: str,
+           ) -> Compute | None:
+    """``consumer`` computing ``producer``'s expression in place of ``value``, or None
+    where the two cannot be one node: a pointwise producer inlines into a pointwise
+    consumer's kernel (except a cast, which rounds: it stays where it stores); a GEMM
+    takes a one-operand consumer as its epilogue where cuBLASLt has one for it."""
+    c, p = consumer.expr, producer.expr
+    if not c.defn.is_pointwise or producer.epilogue is not None:
+        return None
+    if p.defn.is_pointwise and p.defn is not ops.CAST:
+        def inline(e: Apply) -> Apply:
+            return dataclasses.replace(e, args=tuple(
+                p if a == value else inline(a) if isinstance(a, Apply) else a
+                for a in e.args))
+        return Compute.of(inline(c), consumer.out)
+    epilogue = c.defn.epilogue(dict(c.attrs)) if c.defn.epilogue else None
+    if p.defn.is_gemm and epilogue and c.args == (value,) and gemm_library == "cublaslt":
+        return Compute.of(dataclasses.replace(c, args=(p,)), consumer.out)
+    return None
+
+
+def _fuse(nodes: list[Node], t: str, producer: Compute, consumer: Compute, fused: Compute,
+          ) -> list[Node]:
+    """``nodes`` with ``consumer`` replaced by ``fused``, and ``producer`` and intermediate
+    ``t`` (its Allocate, view and Deallocate) gone."""
+    out: list[Node] = []
+    for n in nodes:
+        if n is producer or (isinstance(n, ShardByStream) and n.tensor == t) or \
+                (isinstance(n, Allocate) and n.out.name == t) or \
+                (isinstance(n, Deallocate) and n.tensor == t):
+            continue
+        if isinstance(n, ForLoop):
+            n = dataclasses.replace(n, body=_fuse(n.body, t, producer, consumer, fused))
+        out.append(fused if n is consumer else n)
+    return out
+
+
+def fuse_pointwise(program: HostProgram) -> HostProgram:
+    """Computes an intermediate inside the one node that reads it, so that it is never
+    stored: a chain of pointwise ops becomes one kernel, and an activation after a GEMM
+    becomes the GEMM's cuBLASLt epilogue (``_fused`` says which pairs fuse).
+
+    Before:  T4 = Allocate(bfloat16[m, i]); for i ...: T4_i = ShardByStream(T4, ...)
+             Silu(T2_i, out=T4_i); Mul(T4_i, T3_i, out=T5_i); ...; Deallocate(T4)
+    After:   for i ...: Mul(Silu(T2_i), T3_i, out=T5_i)
+    The intermediate's Allocate, view and Deallocate go with it. Values are as before up
+    to rounding: the fused node rounds once, where the two nodes rounded the
+    intermediate to its dtype (as Inductor's fusion does).
+    """
+    outputs = set(program.outputs)
+    changed = True
+    while changed:
+        changed = False
+        for t, info in program.allocations().items():
+            if t in outputs or info.device != "cuda":
+                continue
+            found = _fusable(program, t)
+            fused = found and _fused(found[1], found[2], found[3], program.gemm_library)
+            if not found or not fused:
+                continue
+            program = program.replace(body=_fuse(program.body, t, found[1], found[2], fused))
+            changed = True
+            break
+    return program
 
 
 # ---------------------------------------------------------------------------- host-resident
@@ -580,8 +814,7 @@ def _renamed(node: Node, mapping: Mapping[str, str]) -> Node:
         new = mapping.get(node.out.name)
         return dataclasses.replace(node, out=dataclasses.replace(node.out, name=new)) \
             if new else node
-    changes = {f: mapping[v] for f in node.tensor_fields if (v := getattr(node, f)) in mapping}
-    return dataclasses.replace(node, **changes) if changes else node
+    return node.renamed(mapping)
 
 
 def _uses(node: Node, name: str) -> bool:
@@ -812,6 +1045,7 @@ def queue_copies_in(program: HostProgram) -> HostProgram:
 
 HOSTIR_PASSES: tuple[HostPass, ...] = (
     remove_dead_code,
+    fuse_pointwise,
     stage_host_tensors,
     assign_streams,
     queue_copies_in,

@@ -20,7 +20,9 @@ from collections.abc import Iterator, Mapping, Sequence
 
 import torch
 
+from . import ops as ops_
 from .errors import ScheduleError
+from .ops import DTYPE_NAMES, AxisGroup, OpDef
 
 # ---------------------------------------------------------------------------- extents
 
@@ -102,7 +104,7 @@ def ceil_div(a: Expr, b: Expr) -> Expr:
     return CeilDiv(a, b)
 
 
-def mul(a: Expr, b: Expr) -> Expr:
+def mul_extents(a: Expr, b: Expr) -> Expr:
     if isinstance(a, Const) and isinstance(b, Const):
         return Const(a.value * b.value)
     if a == Const(1):
@@ -222,12 +224,6 @@ class Split:
 
 # ---------------------------------------------------------------------------- tensors
 
-DTYPE_NAMES = {
-    torch.float32: "float32",
-    torch.float16: "float16",
-    torch.bfloat16: "bfloat16",
-    torch.float64: "float64",
-}
 
 # Where a fusion input or output lives: "cuda" (the GPU the op runs on) or "cpu" (host
 # memory, copied to and from the GPU slice by slice on the slices' streams).
@@ -367,80 +363,49 @@ class TensorView:
 
 # ---------------------------------------------------------------------------- ops
 
-Operand = tuple[str, int]  # (operand name in the op, logical axis)
-
 
 @dataclasses.dataclass(eq=False)
 class Op:
-    """Base of compute ops. ``axis_groups`` says which logical axes are one dimension."""
+    """``out = defn(args, attrs)``: one op of the fusion, of the kind ``defn`` (see
+    codegen.ops: its operands, axis roles, dtype rule and semantics). ``args`` maps the
+    definition's operand names to tensors (an absent optional operand is not a key);
+    ``op.<operand>`` reads them (None for an absent optional one)."""
 
-    out: TensorView
+    defn: OpDef
+    args: dict[str, TensorView]
+    attrs: dict[str, object] = dataclasses.field(default_factory=dict)
+    out: TensorView = None  # type: ignore[assignment]  # set by _define
+
+    def __getattr__(self, name: str) -> TensorView | None:
+        args, defn = self.__dict__.get("args"), self.__dict__.get("defn")
+        if args is not None and name in args:
+            return args[name]
+        if defn is not None and name in defn.optional:
+            return None
+        raise AttributeError(name)
 
     def operands(self) -> dict[str, TensorView]:
-        raise NotImplementedError
+        return {**self.args, "out": self.out}
 
-    def axis_groups(self) -> list[list[Operand]]:
-        """Groups of (operand, axis) that index one dimension; the output's axis is last.
-        A group whose output axis is a reduction is a contraction."""
-        raise NotImplementedError
+    def axes(self) -> list[AxisGroup]:
+        """The role of every axis: iteration groups (with the operand axes that index each
+        output axis) and reductions (see ops.AxisGroup)."""
+        return self.defn.axes({n: t.ndim for n, t in self.args.items()}, self.attrs)
+
+    def iteration_groups(self) -> list[tuple[tuple[str, int], ...]]:
+        return [g.members for g in self.axes() if not g.reduction]
 
     def inputs(self) -> list[TensorView]:
-        return [t for k, t in self.operands().items() if k != "out"]
+        return list(self.args.values())
 
     @property
     def kind(self) -> str:
-        return type(self).__name__.removesuffix("Op")
+        return self.defn.node
 
     def __str__(self) -> str:
-        args = ", ".join(t.name for t in self.inputs())
-        return f"{self.out.name} = {self.kind.lower()}({args})"
-
-
-@dataclasses.dataclass(eq=False)
-class MatmulOp(Op):
-    """``out = a @ b``: 2-D x 2-D, 3-D x 3-D (batched) and 3-D x 2-D (broadcast b)."""
-
-    a: TensorView = None  # type: ignore[assignment]
-    b: TensorView = None  # type: ignore[assignment]
-
-    def operands(self) -> dict[str, TensorView]:
-        return {"a": self.a, "b": self.b, "out": self.out}
-
-    def axis_groups(self) -> list[list[Operand]]:
-        ra, rb = self.a.ndim, self.b.ndim
-        groups: list[list[Operand]] = []
-        if ra == 3:
-            batch: list[Operand] = [("a", 0)] + ([("b", 0)] if rb == 3 else [])
-            groups.append(batch + [("out", 0)])
-        o = ra - 2
-        groups.append([("a", ra - 2), ("out", o)])
-        groups.append([("b", rb - 1), ("out", o + 1)])
-        groups.append([("a", ra - 1), ("b", rb - 2), ("out", o + 2)])
-        return groups
-
-
-@dataclasses.dataclass(eq=False)
-class LinearOp(Op):
-    """``out = x @ w.T + bias`` with x 2-D or 3-D, w ``[n, k]``, bias ``[n]`` or None."""
-
-    x: TensorView = None  # type: ignore[assignment]
-    w: TensorView = None  # type: ignore[assignment]
-    bias: TensorView | None = None
-
-    def operands(self) -> dict[str, TensorView]:
-        ops = {"x": self.x, "w": self.w}
-        if self.bias is not None:
-            ops["bias"] = self.bias
-        ops["out"] = self.out
-        return ops
-
-    def axis_groups(self) -> list[list[Operand]]:
-        rx = self.x.ndim
-        groups: list[list[Operand]] = [[("x", d), ("out", d)] for d in range(rx - 1)]
-        n_group: list[Operand] = [("w", 0)] + ([("bias", 0)] if self.bias is not None else [])
-        groups.append(n_group + [("out", rx - 1)])
-        groups.append([("x", rx - 1), ("w", 1), ("out", rx)])
-        return groups
+        args = [t.name for t in self.inputs()]
+        args += [f"{k}={ops_.attr_str(v)}" for k, v in self.attrs.items()]
+        return f"{self.out.name} = {self.defn.name}({', '.join(args)})"
 
 
 # ---------------------------------------------------------------------------- fusion
@@ -645,62 +610,64 @@ def _unify(op: str, group: list[tuple[str, TensorView, int]]) -> Expr:
     return extents[0][3]
 
 
-def _define(fusion: Fusion, op: Op, dtype: torch.dtype) -> TensorView:
-    """Creates ``op.out`` from the op's axis groups and records the op."""
-    operands = op.operands()
-    groups = op.axis_groups()
-    out_ids = []
-    opname = op.kind.lower()
-    for g in groups:
-        members = [(n, operands[n], a) for n, a in g if n != "out"]
-        extent = _unify(opname, members)
-        is_contraction = g is groups[-1]  # axis_groups lists the contraction last
-        out_ids.append(
-            IterDomain(extent, IterType.Reduction if is_contraction else IterType.Iteration)
-        )
-    op.out = TensorView(fusion._fresh_name(), dtype, out_ids, definition=op)
+def _define(defn: OpDef, attrs: dict[str, object] | None = None,
+            **operands: TensorView | None) -> TensorView:
+    """Defines one op of kind ``defn`` in the current fusion: checks its operands (each a
+    tensor of the fusion; an optional one may be None) and attributes, and creates its
+    output from the definition's axis roles and dtype rule."""
+    fusion = current_fusion(defn.name)
+    args = {n: _owned(fusion, t, defn.name, n) for n, t in operands.items()
+            if t is not None or n not in defn.optional}
+    attrs = dict(attrs or {})
+    defn.check(args, attrs)
+    dtype = defn.dtype(args, attrs)
+    op = Op(defn, args, attrs)
+    out_ids: dict[int, IterDomain] = {}
+    for group in op.axes():
+        extent = _unify(defn.name, [(n, args[n], a) for n, a in group.inputs()])
+        kind = IterType.Reduction if group.reduction else IterType.Iteration
+        out_ids[group.output_axis()] = IterDomain(extent, kind)
+    op.out = TensorView(fusion._fresh_name(), dtype, [out_ids[k] for k in sorted(out_ids)],
+                        definition=op)
     fusion.ops.append(op)
     return op.out
 
 
-def _same_dtype(op: str, **tensors: TensorView) -> torch.dtype:
-    dtypes = {t.dtype for t in tensors.values()}
-    if len(dtypes) > 1:
-        found = ", ".join(f"{k}={t.name} is {DTYPE_NAMES[t.dtype]}" for k, t in tensors.items())
-        raise ScheduleError(f"{op}: all operands must have one dtype, found {found}")
-    return dtypes.pop()
-
-
 def matmul(a: TensorView, b: TensorView) -> TensorView:
     """``a @ b`` for 2-D x 2-D, 3-D x 3-D (batched) and 3-D x 2-D."""
-    fusion = current_fusion("matmul")
-    a, b = _owned(fusion, a, "matmul", "a"), _owned(fusion, b, "matmul", "b")
-    if (a.ndim, b.ndim) not in ((2, 2), (3, 3), (3, 2)):
-        raise ScheduleError(
-            f"matmul: supported ranks are 2-D x 2-D, 3-D x 3-D and 3-D x 2-D; got "
-            f"a={a.name} of rank {a.ndim} and b={b.name} of rank {b.ndim}"
-        )
-    dtype = _same_dtype("matmul", a=a, b=b)
-    return _define(fusion, MatmulOp(out=None, a=a, b=b), dtype)  # type: ignore[arg-type]
+    return _define(ops_.MATMUL, a=a, b=b)
 
 
 def linear(x: TensorView, w: TensorView, bias: TensorView | None = None) -> TensorView:
     """``x @ w.T + bias``: x ``[.., k]`` (2-D or 3-D), w ``[n, k]``, bias ``[n]``."""
-    fusion = current_fusion("linear")
-    x, w = _owned(fusion, x, "linear", "x"), _owned(fusion, w, "linear", "w")
-    if bias is not None:
-        bias = _owned(fusion, bias, "linear", "bias")
-        if bias.ndim != 1:
-            raise ScheduleError(f"linear: bias ({bias.name}) must be 1-D, got rank {bias.ndim}")
-    if x.ndim not in (2, 3) or w.ndim != 2:
-        raise ScheduleError(
-            f"linear: x must be 2-D or 3-D and w 2-D; got x={x.name} of rank {x.ndim}, "
-            f"w={w.name} of rank {w.ndim}"
-        )
-    tensors = {"x": x, "w": w} | ({"bias": bias} if bias is not None else {})
-    dtype = _same_dtype("linear", **tensors)
-    op = LinearOp(out=None, x=x, w=w, bias=bias)  # type: ignore[arg-type]
-    return _define(fusion, op, dtype)
+    return _define(ops_.LINEAR, x=x, w=w, bias=bias)
+
+
+def silu(t: TensorView) -> TensorView:
+    """``x * sigmoid(x)``, elementwise (torch.nn.functional.silu)."""
+    return _define(ops_.SILU, x=t)
+
+
+def gelu(t: TensorView, approximate: str = "none") -> TensorView:
+    """GELU, elementwise: ``approximate="none"`` (the erf form) or ``"tanh"``, as
+    torch.nn.functional.gelu."""
+    return _define(ops_.GELU, {"approximate": approximate}, x=t)
+
+
+def add(a: TensorView, b: TensorView) -> TensorView:
+    """``a + b``, elementwise; ``b`` has a's shape or is broadcast along a's leading axes
+    (a bias ``[n]`` against ``[m, n]``)."""
+    return _define(ops_.ADD, a=a, b=b)
+
+
+def mul(a: TensorView, b: TensorView) -> TensorView:
+    """``a * b``, elementwise; ``b`` as for :func:`add`."""
+    return _define(ops_.MUL, a=a, b=b)
+
+
+def cast(t: TensorView, dtype: torch.dtype) -> TensorView:
+    """``t`` converted to ``dtype`` (rounded to nearest even, as ``Tensor.to``)."""
+    return _define(ops_.CAST, {"dtype": dtype}, x=t)
 
 
 def output(t: TensorView, device: str = "cuda") -> None:

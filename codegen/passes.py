@@ -13,18 +13,15 @@ from collections.abc import Callable
 from . import hostir as hir
 from .errors import InternalError, ScheduleError
 from .ir import (
-    DTYPE_NAMES,
     Const,
     Expr,
     Fusion,
-    LinearOp,
-    MatmulOp,
     Op,
     ParallelType,
     Split,
     TensorView,
     ceil_div,
-    mul,
+    mul_extents,
 )
 
 # ---------------------------------------------------------------------------- analysis
@@ -107,9 +104,9 @@ def stream_group(op: Op) -> list[tuple[str, int]]:
     split = stream_split(op.out)
     if split is None:
         return []
-    for group in op.axis_groups()[:-1]:  # the last group is the contraction
+    for group in op.iteration_groups():
         if ("out", split.axis) in group:
-            return group
+            return list(group)
     raise InternalError(f"{op}: stream axis {split.axis} is in no iteration group")
 
 
@@ -124,16 +121,9 @@ FusionPass = Callable[[Fusion], Fusion]
 
 
 def validate_schedule(fusion: Fusion) -> Fusion:
-    """Before: any user schedule. After: one dtype in the program; every tensor has at
-    most one stream axis, in its loop domain, on an iteration axis, reachable from a
-    logical axis by outer parts of splits (so each slice is a contiguous range)."""
-    dtypes = {t.dtype for t in fusion.tensors}
-    if len(dtypes) > 1:
-        found = ", ".join(f"{t.name} is {DTYPE_NAMES[t.dtype]}" for t in fusion.tensors)
-        raise ScheduleError(
-            f"Fusion {fusion.name}: one dtype per program is supported, found {found}; "
-            "split it into one fusion per dtype"
-        )
+    """Before: any user schedule. After: every tensor has at most one stream axis, in its
+    loop domain, on an iteration axis, reachable from a logical axis by outer parts of
+    splits (so each slice is a contiguous range)."""
     for tv in fusion.tensors:
         seen_ids = list(tv.logical)
         for split in splits(tv):
@@ -166,7 +156,7 @@ def propagate_stream_sharding(fusion: Fusion) -> Fusion:
     Before: the user scheduled some tensors (usually one output).
     After: every op output reachable through iteration groups from a scheduled tensor, and
     not scheduled itself, has the same split chain on its mapped axis, marked Stream.
-    Contractions (a matmul's k) never carry a stream split: a producer split on what its
+    Reductions (a matmul's k) never carry a stream split: a producer split on what its
     consumer contracts stays with the producer.
     A fusion input is never allocated, only viewed: each loop that reads it slices it the
     way that loop's op is split. So a split passes *through* an input the user did not
@@ -184,7 +174,7 @@ def propagate_stream_sharding(fusion: Fusion) -> Fusion:
         src, split = queue.pop(0)
         for op in fusion.ops:
             operands = op.operands()
-            for group in op.axis_groups()[:-1]:
+            for group in op.iteration_groups():
                 if not any(operands[n] is src and a == split.axis for n, a in group):
                     continue
                 for n, a in group:
@@ -237,13 +227,13 @@ def check_stream_consistency(fusion: Fusion) -> Fusion:
                         else "is not stream-parallel")
                 raise ScheduleError(
                     f"conflicting stream splits: {tv.name} {split.describe()} is on streams "
-                    f"but {op.kind.lower()} {op.out.name} {loop}, which does not slice "
+                    f"but {op.defn.name} {op.out.name} {loop}, which does not slice "
                     f"{tv.name} along axis {split.axis}; remove one of the two schedules"
                 )
             if out_split.chain != split.chain:
                 raise ScheduleError(
                     f"conflicting stream splits: {tv.name} {split.describe()} but "
-                    f"{op.kind.lower()} {op.out.name} {out_split.describe()}; the same "
+                    f"{op.defn.name} {op.out.name} {out_split.describe()}; the same "
                     "dimension must be split the same way"
                 )
     return fusion
@@ -341,11 +331,10 @@ def plan_allocations(fusion: Fusion, segments: list[Segment]) -> AllocationPlan:
 
 
 def _compute_node(op: Op, names: dict[str, str]) -> hir.Node:
-    if isinstance(op, MatmulOp):
-        return hir.Matmul(names["out"], names["a"], names["b"])
-    if isinstance(op, LinearOp):
-        return hir.Linear(names["out"], names["x"], names["w"], names.get("bias"))
-    raise InternalError(f"no host-IR node for {type(op).__name__}")
+    """The host-IR node of ``op``, its operands and output named by ``names``."""
+    args = tuple(names.get(n) for n in op.defn.operands)
+    attrs = tuple((k, op.attrs[k]) for k in op.defn.attrs)
+    return hir.Compute.of(hir.Apply(op.defn.name, args, attrs), names["out"])
 
 
 def _constraints(fusion: Fusion) -> list[hir.Constraint]:
@@ -353,14 +342,16 @@ def _constraints(fusion: Fusion) -> list[hir.Constraint]:
     out: list[hir.Constraint] = []
     for op in fusion.ops:
         operands = op.operands()
-        for group in op.axis_groups():
-            members = [(n, a) for n, a in group if n != "out"]
+        for group in op.axes():
+            members = list(group.inputs())
+            if not members:
+                continue
             n0, a0 = members[0]
             e0 = operands[n0].shape[a0]
             for n, a in members[1:]:
                 e = operands[n].shape[a]
                 if e != e0:
-                    what = (f"{op.kind.lower()} {op.out.name}: {n0}={operands[n0].name} axis "
+                    what = (f"{op.defn.name} {op.out.name}: {n0}={operands[n0].name} axis "
                             f"{a0} and {n}={operands[n].name} axis {a}")
                     out.append(hir.Constraint(e0, e, what))
     return out
@@ -437,7 +428,7 @@ def _chain_extents(extent: Expr, chain: tuple[tuple[bool, int], ...]) -> tuple[E
     for inner_split, factor in chain:
         outer, inner = ((ceil_div(extent, Const(factor)), Const(factor)) if inner_split
                         else (Const(factor), ceil_div(extent, Const(factor))))
-        chunk, extent = mul(chunk, inner), outer
+        chunk, extent = mul_extents(chunk, inner), outer
     return extent, chunk
 
 

@@ -254,11 +254,8 @@ class _Checker(Interpreter):
     def Copy(self, n: hir.Copy) -> None:
         self.access(n, [n.src], [n.out])
 
-    def Matmul(self, n: hir.Matmul) -> None:
-        self.access(n, [n.a, n.b], [n.out])
-
-    def Linear(self, n: hir.Linear) -> None:
-        self.access(n, [n.x, n.w, *([n.bias] if n.bias else [])], [n.out])
+    def Compute(self, n: hir.Compute) -> None:
+        self.access(n, n.reads(), n.writes())
 
     def Communication(self, n: distributed.Communication) -> None:
         self.communications += 1

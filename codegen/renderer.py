@@ -17,10 +17,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from . import distributed
+from . import distributed, ops
 from . import hostir as hir
 from .errors import InternalError
-from .ir import CeilDiv, Const, Expr, Min, Mul, Sym
+from .ir import DTYPE_NAMES, CeilDiv, Const, Expr, Min, Mul, Sym
 
 if TYPE_CHECKING:
     import jinja2
@@ -146,26 +146,35 @@ def op_name(program: hir.HostProgram) -> str:
 
 @dataclasses.dataclass
 class _Names:
-    """C++ names of the program's symbols: tensors, views and extents keep their names
-    unless they collide with a reserved word or a name the generated code derives from
-    another symbol; then they get a trailing ``_``."""
+    """C++ names of the program's symbols. Tensor values (inputs, allocations, views) and
+    extents are two namespaces in the host IR (a tensor may be named like an extent:
+    ``cg.input(["m", "k"], name="m")``) but one scope in C++, so each gets a spelling of
+    its own: its name, unless that collides with a reserved word, a name the generated
+    code derives from another symbol, or a symbol spelled before it (tensors first); then
+    it gets trailing ``_``s."""
 
-    cpp: dict[str, str]
+    cpp: dict[str, str]  # tensor values
+    extents: dict[str, str]
 
     @classmethod
     def of(cls, program: hir.HostProgram) -> _Names:
-        symbols = [t.name for t in program.inputs] + list(program.allocations())
-        symbols += [d for n in program.nodes() for d in n.defines()]
-        symbols += [str(c.value) for c in hir.dim_checks(program) if c.kind == "bind"]
+        values = [t.name for t in program.inputs] + list(program.allocations())
+        values += [d for n in program.nodes() for d in n.defines()]
+        extents = [str(c.value) for c in hir.dim_checks(program) if c.kind == "bind"]
         taken: set[str] = set(_RESERVED)
-        cpp: dict[str, str] = {}
-        for name in dict.fromkeys(symbols):
-            spelled = name
-            while {spelled, *(spelled + d for d in _DERIVED)} & taken:
-                spelled += "_"
-            taken |= {spelled, *(spelled + d for d in _DERIVED)}
-            cpp[name] = spelled
-        return cls(cpp)
+
+        def spell(names: list[str]) -> dict[str, str]:
+            out: dict[str, str] = {}
+            for name in dict.fromkeys(names):
+                spelled = name
+                while {spelled, *(spelled + d for d in _DERIVED)} & taken:
+                    spelled += "_"
+                taken.update({spelled, *(spelled + d for d in _DERIVED)})
+                out[name] = spelled
+            return out
+
+        cpp = spell(values)
+        return cls(cpp, spell(extents))
 
     def __call__(self, name: str) -> str:
         return self.cpp[name]
@@ -174,7 +183,7 @@ class _Names:
         if isinstance(e, Const):
             return str(e.value)
         if isinstance(e, Sym):
-            return self.cpp.get(e.name, e.name)
+            return self.extents.get(e.name, e.name)
         if isinstance(e, CeilDiv):
             return f"rt::ceil_div({self.expr(e.lhs)}, {self.expr(e.rhs)})"
         if isinstance(e, Mul):
@@ -286,6 +295,25 @@ def _devices(program: hir.HostProgram) -> dict[str, str]:
     return where
 
 
+def _dtypes(program: hir.HostProgram) -> dict[str, torch.dtype]:
+    """The dtype of each tensor value: inputs and allocations as declared, a view as the
+    tensor it views."""
+    dtype = {t.name: t.dtype for t in program.inputs}
+    for n in program.nodes():
+        if isinstance(n, hir.Allocate):
+            dtype[n.out.name] = n.out.dtype
+            continue
+        viewed = getattr(n, "stage", None) or getattr(n, "tensor", None)
+        for d in n.defines():
+            if isinstance(viewed, str) and viewed in dtype:
+                dtype[d] = dtype[viewed]
+    return dtype
+
+
+# The storage and compute types of pointwise kernels (codegen/include/codegen/pointwise.h).
+_C_TYPES = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "float",
+            torch.float64: "double"}
+
 # (source, destination) residency -> the cudaMemcpyKind of a Copy.
 _COPY_KINDS = {("cpu", "cuda"): "cudaMemcpyHostToDevice",
                ("cuda", "cpu"): "cudaMemcpyDeviceToHost"}
@@ -314,10 +342,18 @@ class _Statements:
         self.base: dict[str, str] = {}
         self.rank = {t.name: len(t.shape) for t in program.inputs}
         self.rank |= {name: len(t.shape) for name, t in self.allocations.items()}
+        self.dtypes = _dtypes(program)
+        # One rt::Gemms per dtype of the program's GEMMs (its types are read once a call).
+        gemm_dtypes = list(dict.fromkeys(self.dtypes[n.out] for n in program.nodes()
+                                         if isinstance(n, hir.Compute) and n.gemm))
+        self.gemms = {t: "gemms" if len(gemm_dtypes) == 1 else f"gemms_{DTYPE_NAMES[t]}"
+                      for t in gemm_dtypes}
+        self.kernels: list[dict[str, Any]] = []
 
     def emit(self, nodes: list[hir.Node], depth: int) -> None:
         for n in nodes:
-            fields = getattr(self, type(n).__name__)(n)
+            kind = "Compute" if isinstance(n, hir.Compute) else type(n).__name__
+            fields = getattr(self, kind)(n)
             kind = fields.pop("kind", type(n).__name__)
             self.out.append({"kind": kind, "hir": str(n), "indent": "  " * depth, **fields})
             if isinstance(n, hir.ForLoop):
@@ -416,13 +452,53 @@ class _Statements:
     def Wait(self, n: distributed.Wait) -> dict[str, Any]:
         return {"communication": self.names(n.communication), "range": self.range(n)}
 
-    def Matmul(self, n: hir.Matmul) -> dict[str, Any]:
-        return {"out": self.names(n.out), "a": self.names(n.a), "b": self.names(n.b),
+    def Compute(self, n: hir.Compute) -> dict[str, Any]:
+        """A GEMM (``gemms.matmul`` / ``gemms.linear``, its epilogue as an
+        ``rt::Epilogue``) or a pointwise kernel (``rt::pointwise``, the kernel's source
+        declared before the function, see ``_kernel``)."""
+        gemm = n.gemm
+        if gemm is None:
+            kernel = self.kernel(n)
+            inputs = ", ".join(self.names(v) for v in n.expr.leaves())
+            return {"kind": "Pointwise", "kernel": kernel, "out": self.names(n.out),
+                    "inputs": inputs, "range": self.range(n)}
+        args = [self.names(a) for a in gemm.args if isinstance(a, str)]
+        epilogue = n.epilogue
+        if epilogue is not None:
+            name = epilogue.defn.epilogue(dict(epilogue.attrs)) if epilogue.defn.epilogue \
+                else None
+            if name is None:
+                raise InternalError(f"{n}: {epilogue.defn.node} has no GEMM epilogue\n"
+                                    f"{self.program}")
+            args.append(f"rt::Epilogue::{name}")
+        return {"kind": "Gemm", "gemms": self.gemms[self.dtypes[n.out]],
+                "call": gemm.defn.name, "out": self.names(n.out), "args": ", ".join(args),
                 "range": self.range(n)}
 
-    def Linear(self, n: hir.Linear) -> dict[str, Any]:
-        return {"out": self.names(n.out), "x": self.names(n.x), "w": self.names(n.w),
-                "bias": self.names(n.bias) if n.bias else "", "range": self.range(n)}
+    def kernel(self, n: hir.Compute) -> str:
+        """Declares the kernel of pointwise node ``n`` (``self.kernels``); its C++ name."""
+        leaves = n.expr.leaves()
+        index = {v: k for k, v in enumerate(leaves)}
+        compute = _C_TYPES[ops.compute_dtype([self.dtypes[v] for v in n.uses()])]
+
+        def c(e: hir.Apply | str) -> str:
+            if isinstance(e, str):
+                return f"x{index[e]}"
+            cpp = e.defn.cpp
+            if cpp is None:
+                raise InternalError(f"{n}: {e.defn.node} has no C expression\n{self.program}")
+            return cpp([c(a) for a in e.args if a is not None], dict(e.attrs))
+
+        params = ", ".join(f"compute_t x{k}" for k in range(len(leaves)))
+        lines = [f"using out_t = {_C_TYPES[self.dtypes[n.out]]};"]
+        lines += [f"using in{k}_t = {_C_TYPES[self.dtypes[v]]};" for k, v in enumerate(leaves)]
+        lines += [f"using compute_t = {compute};",
+                  f"__device__ __forceinline__ compute_t expr({params}) "
+                  f"{{ return {c(n.expr)}; }}"]
+        name = f"kernel{len(self.kernels)}"
+        self.kernels.append({"name": name, "label": _cstr(str(n)), "source": lines,
+                             "arity": len(leaves)})
+        return name
 
 
 def _cublaslt(program: hir.HostProgram) -> str:
@@ -440,7 +516,7 @@ def _gemms_on_caller(program: hir.HostProgram) -> bool:
 
     def walk(nodes: list[hir.Node], on_worker: bool) -> bool:
         for n in nodes:
-            if isinstance(n, (hir.Matmul, hir.Linear)) and not on_worker:
+            if isinstance(n, hir.Compute) and n.gemm is not None and not on_worker:
                 return True
             if isinstance(n, hir.ForLoop):
                 switches = any(isinstance(c, hir.SetCurrentStream)
@@ -456,7 +532,6 @@ def prepare(program: hir.HostProgram) -> dict[str, Any]:
     """The plain data the templates render: strings and lists only."""
     if not isinstance(program, hir.HostProgram):
         raise TypeError(f"render expects a cg.HostProgram, got {type(program).__name__}")
-    dtype = program.inputs[0].dtype  # one dtype per program (validate_schedule)
     names = _Names.of(program)
     statements = _Statements(program, names)
     statements.emit(program.body, 1)
@@ -485,7 +560,8 @@ def prepare(program: hir.HostProgram) -> dict[str, Any]:
         else f"std::tuple<{', '.join(['torch::stable::Tensor'] * len(outs))}>",
         "return_expr": f"{outs[0]}.tensor" if len(outs) == 1
         else f"std::make_tuple({', '.join(o + '.tensor' for o in outs)})",
-        "dtype": DTYPES[dtype],
+        "gemms": [{"name": name, "dtype": DTYPES[t]} for t, name in statements.gemms.items()],
+        "kernels": statements.kernels,
         "sm_count": program.gemm_sm_count,
         "cublaslt": _cublaslt(program),
         "caller_gemms": _gemms_on_caller(program),

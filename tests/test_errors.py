@@ -226,9 +226,17 @@ def test_evaluate_requires_grad_and_nan_propagate_like_torch(program):
     assert torch.equal(out.nan_to_num(), expect.nan_to_num())
 
 
-def test_one_dtype_per_program():
+def test_a_program_may_mix_dtypes_but_not_one_op():
+    """Two GEMMs of two dtypes are one program (each dtype gets its rt::Gemms); one GEMM
+    of two dtypes is refused, pointing at cg.cast."""
     with cg.Fusion("mixed") as fusion:
         cg.output(cg.matmul(cg.input([2, 3]), cg.input([3, 4])))
         cg.output(cg.matmul(cg.input([2, 3], torch.bfloat16), cg.input([3, 4], torch.bfloat16)))
-    with pytest.raises(cg.ScheduleError, match="one dtype per program.*T3 is bfloat16"):
-        cg.lower(fusion)
+    xs = [ints(2, 3), ints(3, 4), ints(2, 3, dtype=torch.bfloat16),
+          ints(3, 4, dtype=torch.bfloat16)]
+    outs = cg.evaluate(cg.lower(fusion), xs)
+    assert torch.equal(outs[0], xs[0] @ xs[1]) and torch.equal(outs[1], xs[2] @ xs[3])
+    with cg.Fusion("one_op"), pytest.raises(
+            cg.ScheduleError, match="matmul: all operands must have one dtype, found a=T0 is "
+                                    "float32, b=T1 is bfloat16; convert one with cg.cast"):
+        cg.matmul(cg.input([2, 3]), cg.input([3, 4], torch.bfloat16))

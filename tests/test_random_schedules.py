@@ -96,3 +96,71 @@ def test_random_placements_exercise_the_copy_stream():
         reused += any(isinstance(n, hir.Synchronize) and isinstance(n.stream, hir.Stream)
                       and n.stream.pool for n in nodes)
     assert queued >= 20 and reused >= 5, (queued, reused)
+
+
+def draw_layer(rng: random.Random):
+    """A GEMM followed by a random chain of exact elementwise ops (add and mul of a tensor
+    of the output's shape or of a bias, a cast through float64 and back), scheduled on a
+    random tensor of the chain: the split propagates through the elementwise ops both
+    ways and the fusion pass merges what it can."""
+    with cg.Fusion("random_layer") as fusion:
+        ins = [cg.input(["m", "k"]), cg.input(["n", "k"])]
+        t = cg.linear(*ins)
+        chain = [t]
+        steps = []
+        for _ in range(rng.randint(1, 4)):
+            step = rng.choice(["add", "mul", "add_bias", "mul_bias", "cast"])
+            if step == "cast":
+                t = cg.cast(cg.cast(t, torch.float64), torch.float32)
+            else:
+                other = cg.input(["n"] if step.endswith("bias") else ["m", "n"])
+                ins.append(other)
+                t = (cg.add if step.startswith("add") else cg.mul)(t, other)
+            steps.append(step)
+            chain.append(t)
+        cg.output(t)
+    target = rng.choice(chain)
+    axis = rng.randrange(2)
+    target.outer_split(axis, rng.randint(1, 5))
+    target.axis(axis).parallelize(cg.ParallelType.Stream)
+    sizes = {s: rng.choice([0, 1, 2, 3, 5, 8]) for s in "mkn"}
+    shapes = [[sizes[str(e)] for e in x.shape] for x in fusion.inputs]
+    return fusion, steps, shapes
+
+
+def reference(steps, xs):
+    t = torch.nn.functional.linear(xs[0], xs[1])
+    others = iter(xs[2:])
+    for step in steps:
+        if step == "cast":
+            t = t.double().float()
+        else:
+            t = t + next(others) if step.startswith("add") else t * next(others)
+    return t
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_random_layer_matches_torch_and_is_ordered(seed):
+    rng = random.Random(seed)
+    fusion, steps, shapes = draw_layer(rng)
+    program = cg.lower(fusion, pool_size=rng.choice([1, 2, 4]))
+    xs = [ints(*s, lo=-3, hi=4) for s in shapes]
+    races.check(program, xs)
+    (out,) = cg.evaluate(program, xs)
+    expect = reference(steps, xs)
+    assert torch.equal(out, expect), (steps, shapes, str(program))
+
+
+def test_random_layers_fuse_and_loop():
+    """The random layers are not vacuous: many fuse elementwise ops into one node, and
+    many run the GEMM and the elementwise ops in one stream loop."""
+    fused = looped = 0
+    for seed in range(40):
+        fusion, _, _ = draw_layer(random.Random(seed))
+        program = cg.lower(fusion)
+        computes = [n for n in program.nodes() if isinstance(n, hir.Compute)]
+        fused += any(isinstance(a, hir.Apply) for n in computes for a in n.expr.args)
+        looped += any(isinstance(n, hir.ForLoop) and n.parallel is cg.ParallelType.Stream
+                      and sum(isinstance(c, hir.Compute) for c in n.body) >= 2
+                      for n in program.nodes())
+    assert fused >= 15 and looped >= 10, (fused, looped)

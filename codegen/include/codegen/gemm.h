@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "codegen/check.h"
+#include "codegen/epilogue.h"
 #include "codegen/math_mode.h"
 #include "codegen/stream.h"
 #include "codegen/tensor.h"
@@ -230,30 +231,52 @@ class Gemms {
       : dtype_(dtype), device_(device), cublaslt_(cublaslt), sm_count_(sm_count), op_(op),
         type_(gemm_type(dtype, math_mode(op))) {}
 
+  // out = epilogue(a @ b)
   void matmul(const View& out, const View& a, const View& b, const Stream& stream) {
-    gemm(out, a, b, nullptr, stream);
+    gemm(out, a, b, nullptr, Epilogue::None, stream);
+  }
+  void matmul(const View& out, const View& a, const View& b, Epilogue epilogue,
+              const Stream& stream) {
+    gemm(out, a, b, nullptr, epilogue, stream);
   }
 
-  // out = x @ w^T (+ bias)
+  // out = epilogue(x @ w^T (+ bias))
   void linear(const View& out, const View& x, const View& w, const Stream& stream) {
-    gemm(out, x, transposed(w), nullptr, stream);
+    gemm(out, x, transposed(w), nullptr, Epilogue::None, stream);
+  }
+  void linear(const View& out, const View& x, const View& w, Epilogue epilogue,
+              const Stream& stream) {
+    gemm(out, x, transposed(w), nullptr, epilogue, stream);
   }
   void linear(const View& out, const View& x, const View& w, const View& bias,
               const Stream& stream) {
-    gemm(out, x, transposed(w), &bias, stream);
+    gemm(out, x, transposed(w), &bias, Epilogue::None, stream);
+  }
+  void linear(const View& out, const View& x, const View& w, const View& bias,
+              Epilogue epilogue, const Stream& stream) {
+    gemm(out, x, transposed(w), &bias, epilogue, stream);
   }
 
  private:
-  // c = a @ b (+ bias) for views of rank 2 or 3 (c: [B?, M, N], a: [B?, M, K], b: [B?, K,
-  // N]; a rank-2 operand is shared by every batch; bias: [N]). c must be row-major, which
-  // holds for the outputs codegen allocates and their slices.
-  void gemm(const View& c, const View& a, const View& b, const View* bias,
+  // c = epilogue(a @ b (+ bias)) for views of rank 2 or 3 (c: [B?, M, N], a: [B?, M, K],
+  // b: [B?, K, N]; a rank-2 operand is shared by every batch; bias: [N]). c must be
+  // row-major, which holds for the outputs codegen allocates and their slices. cuBLASLt
+  // applies the epilogue to the fp32 result before rounding; every other path applies it
+  // afterwards, in place, with a pointwise kernel (one rounding more).
+  void gemm(const View& c, const View& a, const View& b, const View* bias, Epilogue epilogue,
             const Stream& stream) {
+    if (gemm_into(c, a, b, bias, epilogue, stream)) return;
+    if (epilogue != Epilogue::None) apply_epilogue(epilogue, dtype_, c, stream, op_);
+  }
+
+  // The GEMM; true when its epilogue ran with it (cuBLASLt), false when it is still to run.
+  bool gemm_into(const View& c, const View& a, const View& b, const View* bias,
+                 Epilogue epilogue, const Stream& stream) {
     const char* op = op_;
     const int64_t M = c.sizes[c.dim - 2], N = c.sizes[c.dim - 1];
     const int64_t K = a.sizes[a.dim - 1];
     const int64_t batches = c.dim == 3 ? c.sizes[0] : 1;
-    if (M == 0 || N == 0 || batches == 0) return;  // an empty slice: nothing to do
+    if (M == 0 || N == 0 || batches == 0) return true;  // an empty slice: nothing to do
     test_fault_point(op);
     if (K == 0 && bias == nullptr) {  // a sum over nothing: zeros
       const int64_t ldc = M <= 1 ? N : c.strides[c.dim - 2];
@@ -263,18 +286,18 @@ class Gemms {
                                      stream.handle),
                    op, "cudaMemset2DAsync");
       }
-      return;
+      return false;
     }
     GemmArgs g;
     if (K > 0) {
       g = gemm_args(c, a, b, op);
       if (cublaslt_ && stream.workspace != nullptr && fusable(bias) &&
-          gemm_lt(g, c, a, b, bias, stream)) {
-        return;
+          gemm_lt(g, c, a, b, bias, epilogue, stream)) {
+        return true;
       }
       if (bias == nullptr) {
         gemm_cublas(g, c, a, b, type_, /*accumulate=*/false, op);
-        return;
+        return false;
       }
     }
     // The bias first, by a rank-1 GEMM (ones[M, 1] @ bias[1, N]), then the product
@@ -301,6 +324,7 @@ class Gemms {
     if (exact.compute == CUBLAS_COMPUTE_32F_FAST_TF32) exact.compute = CUBLAS_COMPUTE_32F_PEDANTIC;
     gemm_cublas(gemm_args(c, col, row, op), c, col, row, exact, /*accumulate=*/false, op);
     if (K > 0) gemm_cublas(g, c, a, b, type_, /*accumulate=*/true, op);
+    return false;
   }
 
   // cuBLASLt's bias epilogue reads a contiguous, 16-byte aligned vector.
@@ -313,7 +337,7 @@ class Gemms {
   // c = a @ b (+ bias) as one cublasLtMatmul from a cached plan (gemm_plan.h); false
   // where there is no plan, for cublasGemmEx to take.
   bool gemm_lt(const GemmArgs& g, const View& c, const View& a, const View& b,
-               const View* bias, const Stream& stream);
+               const View* bias, Epilogue epilogue, const Stream& stream);
 
   DType dtype_;
   int32_t device_;

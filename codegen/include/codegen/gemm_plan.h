@@ -226,12 +226,22 @@ inline cublasLtHandle_t lt_handle(int32_t device, const char* op) {
   return static_cast<cublasLtHandle_t>(h);
 }
 
-// c = a @ b (+ bias) as one cublasLtMatmul on `stream` with its workspace. In cuBLASLt's
+// cuBLASLt's epilogue for an activation and a bias (0: none).
+inline int lt_epilogue(Epilogue epilogue, bool bias) {
+  switch (epilogue) {
+    case Epilogue::None: return bias ? CUBLASLT_EPILOGUE_BIAS : 0;
+    case Epilogue::Relu: return bias ? CUBLASLT_EPILOGUE_RELU_BIAS : CUBLASLT_EPILOGUE_RELU;
+    case Epilogue::GeluTanh: return bias ? CUBLASLT_EPILOGUE_GELU_BIAS : CUBLASLT_EPILOGUE_GELU;
+  }
+  return 0;
+}
+
+// c = epilogue(a @ b (+ bias)) as one cublasLtMatmul on `stream` with its workspace. In cuBLASLt's
 // terms (column-major D = op(A) op(B) + bias): A is b, B is a, D is c^T, bias has one
 // value per row of D. False when there is no plan (graph capture of a new shape, the
 // cache full, no algorithm, an operand shared by every batch): cublasGemmEx then runs it.
 inline bool Gemms::gemm_lt(const GemmArgs& g, const View& c, const View& a, const View& b,
-                           const View* bias, const Stream& stream) {
+                           const View* bias, Epilogue epilogue, const Stream& stream) {
   const char* op = op_;
   if (g.batch > 1 && (g.sa == 0 || g.sb == 0)) return false;
   Workspace& ws = *stream.workspace;
@@ -256,7 +266,7 @@ inline bool Gemms::gemm_lt(const GemmArgs& g, const View& c, const View& a, cons
   key.data = type_.data;
   key.compute = type_.compute;
   key.reduction = static_cast<int>(type_.reduction);
-  key.epilogue = bias != nullptr ? CUBLASLT_EPILOGUE_BIAS : 0;
+  key.epilogue = lt_epilogue(epilogue, bias != nullptr);
   key.sm_count = sm_count_;
   key.transa = g.ob.op;  // cuBLASLt's A is b
   key.transb = g.oa.op;

@@ -22,6 +22,8 @@
 
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
+#include <cstddef>
 #include <cstdint>
 #include <memory>
 #include <mutex>
@@ -242,6 +244,27 @@ class Streams {
   T keep(T t) {
     kept_.push_back(tensor_of(t));
     return t;
+  }
+
+  // The host program's Deallocate: `t` gives its memory back to the caching allocator now
+  // (on the caller's stream, where it was allocated) if the caller's stream is current
+  // and has waited for every worker since they last got work, which the host IR
+  // guarantees (it frees after the join; codegen.races checks it). Otherwise the memory
+  // stays kept until the exit's join, as if never freed: late, never early.
+  template <typename T>
+  void release(T& t) {
+    const bool joined = current_.handle == caller_.handle &&
+                        std::find(dirty_.begin(), dirty_.end(), 1) == dirty_.end();
+    if (joined) {
+      const AtenTensorHandle handle = tensor_of(t).get();
+      for (size_t k = 0; k < kept_.size(); ++k) {
+        if (kept_[k].get() == handle) {
+          kept_.erase(kept_.begin() + static_cast<std::ptrdiff_t>(k));
+          break;
+        }
+      }
+    }
+    t.reset();
   }
 
   const Stream& caller() const { return caller_; }

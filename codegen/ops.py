@@ -1,0 +1,307 @@
+"""Op definitions: every op kind of the IR, defined once.
+
+An :class:`OpDef` says everything the pipeline needs to know about one op kind:
+
+- its operands (and which are optional) and attributes, and the checks of their ranks
+  and values when the op is defined (``check``);
+- the role of every axis (``axes``): an iteration axis lists the operand axes that index
+  it; a reduction axis is one the output does not have (a matmul's ``k``); an operand
+  absent from an iteration group is broadcast along it (a bias ``[n]`` against
+  ``[m, n]``). Nothing is positional: the passes read the roles;
+- its dtype rule (``dtype``);
+- its semantics for the evaluator (``evaluate``: torch ops writing into ``out``, or for a
+  pointwise op ``compute``: torch ops on operands already in the computation dtype);
+- how it lowers to C++: a GEMM calls the runtime's ``Gemms`` (``family="gemm"``); a
+  pointwise op is a C expression in a generated kernel (``cpp``), and ``epilogue`` names
+  the GEMM epilogue that computes it inside a GEMM (cuBLASLt's), where one exists.
+
+The IR (``ir.Op``), the host IR (``hostir.Compute``), the evaluator, the stream-order
+checker and the renderer all dispatch through these definitions; adding an op kind is one
+definition here (plus, for a pointwise op, one device function in
+``codegen/include/codegen/pointwise.h``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from .errors import ScheduleError
+
+Member = tuple[str, int]  # (operand name, axis); the output is "out"
+Attrs = Mapping[str, Any]
+
+# The dtypes a tensor may have, and their names in the printed IR.
+DTYPE_NAMES = {
+    torch.float32: "float32",
+    torch.float16: "float16",
+    torch.bfloat16: "bfloat16",
+    torch.float64: "float64",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class AxisGroup:
+    """Operand axes that index one dimension. An iteration group has the output's axis
+    among its members; a reduction group's output axis is a reduction IterDomain (the
+    output's shape does not have it)."""
+
+    members: tuple[Member, ...]
+    reduction: bool = False
+
+    def output_axis(self) -> int:
+        return next(a for n, a in self.members if n == "out")
+
+    def inputs(self) -> tuple[Member, ...]:
+        return tuple(m for m in self.members if m[0] != "out")
+
+
+@dataclasses.dataclass(frozen=True)
+class OpDef:
+    name: str  # the function (cg.<name>) and the fusion IR's spelling
+    node: str  # the host IR's spelling, e.g. "Matmul", "Silu"
+    family: str  # "gemm" or "pointwise"
+    operands: tuple[str, ...]
+    check: Callable[[Mapping[str, Any], Attrs], None]  # ranks and attrs; raises ScheduleError
+    axes: Callable[[Mapping[str, int], Attrs], list[AxisGroup]]  # operand ranks -> roles
+    dtype: Callable[[Mapping[str, Any], Attrs], torch.dtype]  # operands -> result
+    optional: tuple[str, ...] = ()
+    attrs: tuple[str, ...] = ()  # printed name=value, in this order
+    evaluate: Callable[[Mapping[str, torch.Tensor], torch.Tensor, Attrs], None] | None = None
+    compute: Callable[..., torch.Tensor] | None = None  # pointwise: operands -> result
+    cpp: Callable[[list[str], Attrs], str] | None = None  # pointwise: C expression
+    # The GEMM epilogue that computes this op (an rt::Epilogue of
+    # codegen/include/codegen/epilogue.h, e.g. "GeluTanh"), or None where there is none.
+    epilogue: Callable[[Attrs], str | None] | None = None
+
+    # One object per op kind: copies of a fusion (Fusion.clone) share the definitions, so
+    # ``op.defn is ops.MATMUL`` holds in every copy.
+    def __copy__(self) -> OpDef:
+        return self
+
+    def __deepcopy__(self, memo: dict[int, object]) -> OpDef:
+        return self
+
+    @property
+    def is_gemm(self) -> bool:
+        return self.family == "gemm"
+
+    @property
+    def is_pointwise(self) -> bool:
+        return self.family == "pointwise"
+
+
+OPS: dict[str, OpDef] = {}  # by name
+
+
+def define(op: OpDef) -> OpDef:
+    if op.name in OPS or any(o.node == op.node for o in OPS.values()):
+        raise ValueError(f"op {op.name} ({op.node}) is defined twice")
+    OPS[op.name] = op
+    return op
+
+
+def get(name: str) -> OpDef:
+    return OPS[name]
+
+
+def attr_str(value: object) -> str:
+    """An attribute as the IR prints it: dtypes by name, strings bare."""
+    if isinstance(value, torch.dtype):
+        return DTYPE_NAMES.get(value, str(value))
+    return str(value)
+
+
+def _dtype_name(t: torch.dtype) -> str:
+    return DTYPE_NAMES.get(t, str(t))
+
+
+def same_dtype(op: str) -> Callable[[Mapping[str, Any], Attrs], torch.dtype]:
+    """The dtype rule of ops whose operands share one dtype, which the result has."""
+
+    def rule(tensors: Mapping[str, Any], attrs: Attrs) -> torch.dtype:
+        if len({t.dtype for t in tensors.values()}) > 1:
+            found = ", ".join(f"{k}={t.name} is {_dtype_name(t.dtype)}"
+                              for k, t in tensors.items())
+            raise ScheduleError(f"{op}: all operands must have one dtype, found {found}; "
+                                "convert one with cg.cast")
+        return next(iter(tensors.values())).dtype
+
+    return rule
+
+
+# ---------------------------------------------------------------------------- GEMMs
+
+
+def _matmul_check(t: Mapping[str, Any], attrs: Attrs) -> None:
+    if (t["a"].ndim, t["b"].ndim) not in ((2, 2), (3, 3), (3, 2)):
+        raise ScheduleError(
+            f"matmul: supported ranks are 2-D x 2-D, 3-D x 3-D and 3-D x 2-D; got "
+            f"a={t['a'].name} of rank {t['a'].ndim} and b={t['b'].name} of rank {t['b'].ndim}")
+
+
+def _matmul_axes(rank: Mapping[str, int], attrs: Attrs) -> list[AxisGroup]:
+    ra, rb = rank["a"], rank["b"]
+    groups: list[AxisGroup] = []
+    if ra == 3:
+        batch: list[Member] = [("a", 0)] + ([("b", 0)] if rb == 3 else [])
+        groups.append(AxisGroup((*batch, ("out", 0))))
+    o = ra - 2
+    groups.append(AxisGroup((("a", ra - 2), ("out", o))))
+    groups.append(AxisGroup((("b", rb - 1), ("out", o + 1))))
+    groups.append(AxisGroup((("a", ra - 1), ("b", rb - 2), ("out", o + 2)), reduction=True))
+    return groups
+
+
+# An empty contraction (k = 0) sums nothing: the slice is zeros (or the bias). torch
+# cannot always say so itself: matmul(out=) of a 3-D x 2-D folds the operands to 2-D, and
+# for k = 0 it then fails on an out that is a non-contiguous slice (rows of 3-D).
+def _matmul_evaluate(v: Mapping[str, torch.Tensor], out: torch.Tensor, attrs: Attrs) -> None:
+    a, b = v["a"], v["b"]
+    if a.shape[-1] == 0:
+        out.zero_()
+        return
+    if a.dim() == 3 and b.dim() == 2:
+        # torch.matmul(out=) folds 3-D x 2-D into one mm on out viewed 2-D, and fails
+        # when out's batch stride is not rows * columns (a strided batched view).
+        b = b.expand(a.shape[0], -1, -1)
+    torch.matmul(a, b, out=out)
+
+
+MATMUL = define(OpDef(
+    name="matmul", node="Matmul", family="gemm", operands=("a", "b"),
+    check=_matmul_check, axes=_matmul_axes, dtype=same_dtype("matmul"),
+    evaluate=_matmul_evaluate,
+))
+
+
+def _linear_check(t: Mapping[str, Any], attrs: Attrs) -> None:
+    bias = t.get("bias")
+    if bias is not None and bias.ndim != 1:
+        raise ScheduleError(f"linear: bias ({bias.name}) must be 1-D, got rank {bias.ndim}")
+    if t["x"].ndim not in (2, 3) or t["w"].ndim != 2:
+        raise ScheduleError(
+            f"linear: x must be 2-D or 3-D and w 2-D; got x={t['x'].name} of rank "
+            f"{t['x'].ndim}, w={t['w'].name} of rank {t['w'].ndim}")
+
+
+def _linear_axes(rank: Mapping[str, int], attrs: Attrs) -> list[AxisGroup]:
+    rx = rank["x"]
+    groups = [AxisGroup((("x", d), ("out", d))) for d in range(rx - 1)]
+    n_group: list[Member] = [("w", 0)] + ([("bias", 0)] if "bias" in rank else [])
+    groups.append(AxisGroup((*n_group, ("out", rx - 1))))
+    groups.append(AxisGroup((("x", rx - 1), ("w", 1), ("out", rx)), reduction=True))
+    return groups
+
+
+def _linear_evaluate(v: Mapping[str, torch.Tensor], out: torch.Tensor, attrs: Attrs) -> None:
+    x, w, bias = v["x"], v["w"], v.get("bias")
+    if x.shape[-1] == 0 and bias is None:
+        out.zero_()
+    elif x.shape[-1] == 0:
+        out.copy_(bias.expand_as(out))
+    elif bias is None:
+        torch.matmul(x, w.t(), out=out)
+    elif x.dim() == 2:
+        torch.addmm(bias, x, w.t(), out=out)
+    else:
+        torch.baddbmm(bias, x, w.t().expand(x.shape[0], -1, -1), out=out)
+
+
+LINEAR = define(OpDef(
+    name="linear", node="Linear", family="gemm", operands=("x", "w", "bias"),
+    optional=("bias",), check=_linear_check, axes=_linear_axes, dtype=same_dtype("linear"),
+    evaluate=_linear_evaluate,
+))
+
+# ---------------------------------------------------------------------------- pointwise
+
+
+def _no_check(t: Mapping[str, Any], attrs: Attrs) -> None:
+    return None
+
+
+def _unary_axes(rank: Mapping[str, int], attrs: Attrs) -> list[AxisGroup]:
+    return [AxisGroup((("x", d), ("out", d))) for d in range(rank["x"])]
+
+
+def _binary_check(op: str) -> Callable[[Mapping[str, Any], Attrs], None]:
+    def check(t: Mapping[str, Any], attrs: Attrs) -> None:
+        a, b = t["a"], t["b"]
+        if b.ndim > a.ndim:
+            raise ScheduleError(
+                f"{op}: b ({b.name}, rank {b.ndim}) may broadcast along a's leading axes but "
+                f"not have more axes than a ({a.name}, rank {a.ndim}); swap the operands")
+
+    return check
+
+
+def _binary_axes(rank: Mapping[str, int], attrs: Attrs) -> list[AxisGroup]:
+    """b is aligned with a's trailing axes and broadcast along the leading ones."""
+    ra, rb = rank["a"], rank["b"]
+    return [AxisGroup((("a", d), *((("b", d - (ra - rb)),) if d >= ra - rb else ()),
+                       ("out", d))) for d in range(ra)]
+
+
+def _keep_dtype(tensors: Mapping[str, Any], attrs: Attrs) -> torch.dtype:
+    return tensors["x"].dtype
+
+
+def unary(name: str, node: str, compute: Callable[..., torch.Tensor],
+          cpp: Callable[[list[str], Attrs], str], *, attrs: tuple[str, ...] = (),
+          check: Callable[[Mapping[str, Any], Attrs], None] | None = None,
+          dtype: Callable[[Mapping[str, Any], Attrs], torch.dtype] = _keep_dtype,
+          epilogue: Callable[[Attrs], str | None] | None = None) -> OpDef:
+    """A one-operand pointwise op (operand ``x``) of ``x``'s shape."""
+    return define(OpDef(name=name, node=node, family="pointwise", operands=("x",),
+                        check=check or _no_check, axes=_unary_axes, dtype=dtype,
+                        attrs=attrs, compute=compute, cpp=cpp, epilogue=epilogue))
+
+
+def binary(name: str, node: str, compute: Callable[..., torch.Tensor],
+           cpp: Callable[[list[str], Attrs], str]) -> OpDef:
+    """A two-operand pointwise op of ``a``'s shape, ``b`` broadcast along a's leading
+    axes (same shape, or a bias ``[n]`` against ``[m, n]``), one dtype."""
+    return define(OpDef(name=name, node=node, family="pointwise", operands=("a", "b"),
+                        check=_binary_check(name), axes=_binary_axes, dtype=same_dtype(name),
+                        compute=compute, cpp=cpp))
+
+
+GELU_APPROXIMATIONS = ("none", "tanh")
+
+
+def _gelu_check(t: Mapping[str, Any], attrs: Attrs) -> None:
+    if attrs["approximate"] not in GELU_APPROXIMATIONS:
+        raise ScheduleError(
+            f"gelu: approximate must be one of {', '.join(map(repr, GELU_APPROXIMATIONS))} "
+            f"(as torch.nn.functional.gelu), got {attrs['approximate']!r}")
+
+
+def _cast_check(t: Mapping[str, Any], attrs: Attrs) -> None:
+    if attrs["dtype"] not in DTYPE_NAMES:
+        raise ScheduleError(
+            f"cast: dtype must be one of torch.{', torch.'.join(DTYPE_NAMES.values())}, got "
+            f"{attrs['dtype']!r}")
+
+
+SILU = unary("silu", "Silu", lambda x: F.silu(x), lambda x, a: f"silu({x[0]})")
+GELU = unary(
+    "gelu", "Gelu", lambda x, approximate: F.gelu(x, approximate=approximate),
+    lambda x, a: f"gelu_tanh({x[0]})" if a["approximate"] == "tanh" else f"gelu({x[0]})",
+    attrs=("approximate",), check=_gelu_check,
+    # cuBLASLt's GELU epilogue is the tanh form: the erf form has none.
+    epilogue=lambda a: "GeluTanh" if a["approximate"] == "tanh" else None)
+CAST = unary("cast", "Cast", lambda x, dtype: x, lambda x, a: x[0], attrs=("dtype",),
+             check=_cast_check, dtype=lambda tensors, a: a["dtype"])
+ADD = binary("add", "Add", torch.add, lambda x, a: f"({x[0]} + {x[1]})")
+MUL = binary("mul", "Mul", torch.mul, lambda x, a: f"({x[0]} * {x[1]})")
+
+
+def compute_dtype(dtypes: list[torch.dtype]) -> torch.dtype:
+    """The dtype a pointwise expression computes in: float64 if any tensor it touches is
+    float64, else float32 (half types are loaded into fp32 and rounded once, on store)."""
+    return torch.float64 if torch.float64 in dtypes else torch.float32

@@ -1,0 +1,336 @@
+"""Layers as one program: elementwise ops between GEMMs, fused into kernels and epilogues,
+intermediates freed at Deallocate; the Llama and GPT MLP examples. CPU only: structure,
+exact text, the evaluator against torch, the stream-order checker, bad input."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import ints
+
+import codegen as cg
+from codegen import examples, races
+from codegen import hostir as hir
+
+LLAMA_MLP = """\
+HostProgram llama_mlp(x: bfloat16[m, h], w_gate: bfloat16[inter, h], w_up: bfloat16[inter, h], \
+w_down: bfloat16[h, inter]) -> (T8):
+  main_stream = GetCurrentStream()
+  T4 = Allocate(bfloat16[m, inter])
+  T6 = Allocate(bfloat16[m, inter])
+  T7 = Allocate(bfloat16[m, inter])
+  for j in range(0, 4):
+    SetCurrentStream(Stream(j))
+    Synchronize(main_stream)
+  for i in range(0, 4) [Stream]:
+    SetCurrentStream(Stream(i))
+    w_gate_i = ShardByStream(w_gate, axis=0, index=i, chunk=ceilDiv(inter, 4))
+    T4_i = ShardByStream(T4, axis=1, index=i, chunk=ceilDiv(inter, 4))
+    Linear(x, w_gate_i, out=T4_i)
+    w_up_i = ShardByStream(w_up, axis=0, index=i, chunk=ceilDiv(inter, 4))
+    T6_i = ShardByStream(T6, axis=1, index=i, chunk=ceilDiv(inter, 4))
+    Linear(x, w_up_i, out=T6_i)
+    T7_i = ShardByStream(T7, axis=1, index=i, chunk=ceilDiv(inter, 4))
+    Mul(Silu(T4_i), T6_i, out=T7_i)
+  SetCurrentStream(main_stream)
+  for j in range(0, 4):
+    Synchronize(Stream(j))
+  Deallocate(T4)
+  Deallocate(T6)
+  T8 = Allocate(bfloat16[m, h])
+  Linear(T7, w_down, out=T8)
+  Deallocate(T7)
+  return T8"""
+
+GPT_MLP = """\
+HostProgram gpt_mlp(x: bfloat16[m, h], w1: bfloat16[inter, h], b1: bfloat16[inter], \
+w2: bfloat16[h, inter], b2: bfloat16[h]) -> (T7):
+  main_stream = GetCurrentStream()
+  T6 = Allocate(bfloat16[m, inter])
+  for j in range(0, 2):
+    SetCurrentStream(Stream(j))
+    Synchronize(main_stream)
+  for i in range(0, 2) [Stream]:
+    SetCurrentStream(Stream(i))
+    w1_i = ShardByStream(w1, axis=0, index=i, chunk=ceilDiv(inter, 2))
+    b1_i = ShardByStream(b1, axis=0, index=i, chunk=ceilDiv(inter, 2))
+    T6_i = ShardByStream(T6, axis=1, index=i, chunk=ceilDiv(inter, 2))
+    Gelu(Linear(x, w1_i, b1_i), approximate=tanh, out=T6_i)
+  SetCurrentStream(main_stream)
+  for j in range(0, 2):
+    Synchronize(Stream(j))
+  T7 = Allocate(bfloat16[m, h])
+  Linear(T6, w2, b2, out=T7)
+  Deallocate(T6)
+  return T7"""
+
+
+def test_llama_mlp_host_ir():
+    assert str(cg.lower(examples.llama_mlp())) == LLAMA_MLP
+
+
+def test_gpt_mlp_host_ir():
+    assert str(cg.lower(examples.gpt_mlp(slices=2))) == GPT_MLP
+
+
+def llama_ref(x, w_gate, w_up, w_down):
+    return F.linear(F.silu(F.linear(x, w_gate)) * F.linear(x, w_up), w_down)
+
+
+def gpt_ref(x, w1, b1, w2, b2):
+    return F.linear(F.gelu(F.linear(x, w1, b1), approximate="tanh"), w2, b2)
+
+
+def _inputs(example, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    shapes = examples.EXAMPLES[example].shapes
+    return [torch.randn(s, generator=g, dtype=torch.float64).to(dtype) for s in shapes]
+
+
+@pytest.mark.parametrize("weights", ["cuda", "cpu"])
+@pytest.mark.parametrize("slices", [1, 2, 4, 7])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("name,make,ref", [("llama_mlp", examples.llama_mlp, llama_ref),
+                                           ("gpt_mlp", examples.gpt_mlp, gpt_ref)])
+def test_mlp_evaluates_like_torch_and_is_ordered(name, make, ref, dtype, slices, weights):
+    xs = _inputs(name, dtype)
+    program = cg.lower(make(dtype, slices, weights))
+    (out,) = cg.evaluate(program, xs)
+    expect = ref(*xs)
+    # The fused SiLU-and-multiply rounds once where torch rounds the SiLU too; the
+    # epilogue's tanh-GELU here runs after a rounded GEMM, as the cuBLAS fallback does.
+    tol = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 5e-2}[dtype]
+    torch.testing.assert_close(out, expect, rtol=tol, atol=tol)
+    races.check(program, xs)
+    for pool in (1, 2, 3):
+        races.check(cg.lower(make(dtype, slices, weights), pool_size=pool), xs)
+
+
+@pytest.mark.parametrize("example", ["llama_mlp", "gpt_mlp"])
+def test_mlp_examples_refuse_bad_arguments(example):
+    make = getattr(examples, example)
+    with pytest.raises(cg.ScheduleError, match=f"{example}: weights must be"):
+        make(weights="gpu")
+    with pytest.raises(cg.ScheduleError, match=f"{example}: slices must be an int >= 1, got 0"):
+        make(slices=0)
+
+
+# ---------------------------------------------------------------------------- elementwise ops
+
+
+def _one_op(fn, shapes, dtype=torch.float32, split=None):
+    with cg.Fusion("one_op") as fusion:
+        ins = [cg.input([f"d{k}" for k in range(len(s))], dtype) for s in shapes]
+        # name each axis d<k> aligned at the end, so b [n] shares a's last extent
+        out = fn(*ins)
+        cg.output(out)
+    if split is not None:
+        out.outer_split(split, 3)
+        out.axis(split).parallelize(cg.ParallelType.Stream)
+    return fusion
+
+
+def _fusion(build, dtype=torch.float32):
+    with cg.Fusion("elementwise") as fusion:
+        out = build(dtype)
+        cg.output(out)
+    return fusion, out
+
+
+def _split(out, axis, slices=3):
+    out.outer_split(axis, slices)
+    out.axis(axis).parallelize(cg.ParallelType.Stream)
+
+
+@pytest.mark.parametrize("axis", [None, 0, 1])
+@pytest.mark.parametrize("op,torch_op", [(cg.add, torch.add), (cg.mul, torch.mul)])
+def test_binary_ops_exact_with_a_broadcast_bias(op, torch_op, axis):
+    fusion, out = _fusion(lambda dt: op(cg.input(["m", "n"], dt), cg.input(["n"], dt)))
+    if axis is not None:
+        _split(out, axis)
+    program = cg.lower(fusion)
+    xs = [ints(7, 5), ints(5)]
+    (got,) = cg.evaluate(program, xs)
+    assert torch.equal(got, torch_op(*xs))
+    races.check(program, xs)
+    # Split by columns, the bias is read slice by slice; by rows, whole.
+    views = {n.tensor for n in program.nodes() if isinstance(n, hir.ShardByStream)}
+    assert ("T1" in views) == (axis == 1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16,
+                                   torch.float64])
+@pytest.mark.parametrize("fn,ref", [
+    (cg.silu, F.silu),
+    (lambda t: cg.gelu(t), F.gelu),
+    (lambda t: cg.gelu(t, approximate="tanh"), lambda t: F.gelu(t, approximate="tanh")),
+])
+def test_unary_ops_match_torch(fn, ref, dtype):
+    """One op alone computes in fp32 (fp64 for fp64) and rounds once, as torch's kernels
+    do (the CPU's vectorized and scalar exp differ in the last bit: not bitwise)."""
+    fusion, out = _fusion(lambda dt: fn(cg.input(["m", "n"], dt)), dtype)
+    _split(out, 1)
+    x = torch.randn(6, 11, dtype=torch.float64).mul(4).to(dtype)
+    (got,) = cg.evaluate(cg.lower(fusion), [x])
+    torch.testing.assert_close(got, ref(x))
+
+
+def test_cast_between_dtypes_and_mixed_gemms():
+    """A program may mix dtypes through cast; each dtype's GEMMs get their own rt::Gemms."""
+    with cg.Fusion("mixed") as fusion:
+        a = cg.input(["m", "k"], torch.bfloat16)
+        w = cg.input(["k", "n"], torch.bfloat16)
+        w2 = cg.input(["n", "p"], torch.float32)
+        y = cg.cast(cg.matmul(a, w), torch.float32)
+        out = cg.matmul(y, w2)
+        cg.output(out)
+    _split(out, 0, 2)
+    program = cg.lower(fusion)
+    xs = [ints(5, 4, dtype=torch.bfloat16), ints(4, 3, dtype=torch.bfloat16), ints(3, 2)]
+    (got,) = cg.evaluate(program, xs)
+    assert got.dtype == torch.float32
+    assert torch.equal(got, (xs[0] @ xs[1]).float() @ xs[2])
+    assert "Cast(T3_i, dtype=float32, out=T4_i)" in str(program)
+    source = cg.render(program)
+    assert "rt::Gemms gemms_bfloat16(rt::DType::BFloat16" in source
+    assert "rt::Gemms gemms_float32(rt::DType::Float32" in source
+    assert "using out_t = float;\nusing in0_t = bf16;" in source
+
+
+def test_split_propagates_through_elementwise_ops_both_ways():
+    """Scheduling the elementwise result splits its producer GEMM (backwards) and its
+    consumer (forwards): all three run in one loop."""
+    with cg.Fusion("chain") as fusion:
+        x = cg.input(["m", "k"])
+        w = cg.input(["n", "k"])
+        s = cg.silu(cg.linear(x, w))
+        out = cg.add(s, cg.input(["n"]))
+        cg.output(out)
+    _split(s, 0)
+    program = cg.lower(fusion)
+    (loop,) = [n for n in program.nodes() if isinstance(n, hir.ForLoop)
+               and n.parallel is cg.ParallelType.Stream]
+    computes = [str(n) for n in loop.body if isinstance(n, hir.Compute)]
+    assert computes == ["Linear(T0_i, T1, out=T2_i)", "Add(Silu(T2_i), T4, out=T5_i)"]
+    xs = [ints(7, 3), ints(4, 3), ints(4)]
+    (got,) = cg.evaluate(program, xs)
+    torch.testing.assert_close(got, F.silu(F.linear(xs[0], xs[1])) + xs[2])
+
+
+def test_fusion_rules():
+    """What fuses: pointwise into pointwise, tanh-GELU into a cuBLASLt GEMM. What does
+    not: erf-GELU into a GEMM (no epilogue), anything with gemm_library="cublas", a value
+    that is also an output or read twice, a cast in the middle of an expression."""
+    def lowered(build, **options):
+        with cg.Fusion("f") as fusion:
+            for out in build():
+                cg.output(out)
+        return cg.lower(fusion, **options)
+
+    def computes(program):
+        return [str(n) for n in program.nodes() if isinstance(n, hir.Compute)]
+
+    def gemm_gelu(approximate):
+        return lambda: [cg.gelu(cg.matmul(cg.input([4, 3]), cg.input([3, 5])), approximate)]
+
+    assert computes(lowered(gemm_gelu("tanh"))) == \
+        ["Gelu(Matmul(T0, T1), approximate=tanh, out=T3)"]
+    assert computes(lowered(gemm_gelu("none"))) == \
+        ["Matmul(T0, T1, out=T2)", "Gelu(T2, approximate=none, out=T3)"]
+    assert computes(lowered(gemm_gelu("tanh"), gemm_library="cublas")) == \
+        ["Matmul(T0, T1, out=T2)", "Gelu(T2, approximate=tanh, out=T3)"]
+
+    def shared():
+        s = cg.silu(cg.input([4, 5]))
+        return [cg.mul(s, s)]
+
+    assert computes(lowered(shared)) == ["Silu(T0, out=T1)", "Mul(T1, T1, out=T2)"]
+
+    def also_output():
+        s = cg.silu(cg.input([4, 5]))
+        return [s, cg.add(s, cg.input([5]))]
+
+    assert computes(lowered(also_output)) == ["Silu(T0, out=T1)", "Add(T1, T2, out=T3)"]
+
+    def cast_inside():
+        c = cg.cast(cg.input([4, 5]), torch.bfloat16)
+        return [cg.silu(c)]
+
+    assert computes(lowered(cast_inside)) == \
+        ["Cast(T0, dtype=bfloat16, out=T1)", "Silu(T1, out=T2)"]
+
+    def chain():
+        a, b = cg.input([4, 5]), cg.input([4, 5])
+        return [cg.cast(cg.add(cg.silu(a), cg.mul(a, b)), torch.float64)]
+
+    assert computes(lowered(chain)) == \
+        ["Cast(Add(Silu(T0), Mul(T0, T1)), dtype=float64, out=T5)"]
+
+
+def test_fused_kernel_source():
+    """The kernel of a fused node is its expression in C, over its distinct inputs."""
+    source = cg.render(cg.lower(examples.llama_mlp()))
+    assert ('const rt::PointwiseKernel kernel0{\n    "Mul(Silu(T4_i), T6_i, out=T7_i)", R"cuda(\n'
+            "using out_t = bf16;\nusing in0_t = bf16;\nusing in1_t = bf16;\n"
+            "using compute_t = float;\n"
+            "__device__ __forceinline__ compute_t expr(compute_t x0, compute_t x1) "
+            "{ return (silu(x0) * x1); }\n)cuda\", 2};") in source
+    assert "rt::pointwise(kernel0, T7_i, {T4_i, T6_i}, streams.current(), op);" in source
+    gpt = cg.render(cg.lower(examples.gpt_mlp()))
+    assert "gemms.linear(T6_i, x, w1_i, b1_i, rt::Epilogue::GeluTanh, streams.current());" \
+        in gpt
+    assert "PointwiseKernel" not in gpt
+
+
+def test_deallocate_frees_after_the_join():
+    """The C++ gives an intermediate back to the caching allocator at its Deallocate, which
+    comes after the join (so the workers' uses are ordered before the caller's stream)."""
+    source = cg.render(cg.lower(examples.llama_mlp()))
+    join = source.index("// hir: Synchronize(Stream(j))")
+    for t in ("T4", "T6", "T7"):
+        assert source.index(f"streams.release({t});") > join
+    assert source.index("streams.release(T4);") < source.index("// hir: T8 = Allocate")
+
+
+# ---------------------------------------------------------------------------- bad input
+
+
+def test_mismatched_shapes_name_both_operands():
+    with cg.Fusion("bad"), pytest.raises(
+            cg.ScheduleError, match=r"add: sizes that must be equal differ: a=T0 axis 1 is 5, "
+                                    r"b=T1 axis 0 is 4"):
+        cg.add(cg.input([3, 5]), cg.input([4]))
+    with cg.Fusion("bad"), pytest.raises(
+            cg.ScheduleError, match=r"mul: b \(T1, rank 2\) may broadcast along a's leading "
+                                    r"axes but not have more axes than a \(T0, rank 1\)"):
+        cg.mul(cg.input([5]), cg.input([3, 5]))
+
+
+def test_unknown_gelu_approximation():
+    with cg.Fusion("bad"), pytest.raises(
+            cg.ScheduleError, match=r"gelu: approximate must be one of 'none', 'tanh'.*got 'erf'"):
+        cg.gelu(cg.input([3]), approximate="erf")
+
+
+@pytest.mark.parametrize("dtype", ["float32", torch.int32, float, None])
+def test_cast_to_a_non_dtype(dtype):
+    with cg.Fusion("bad"), pytest.raises(cg.ScheduleError, match=r"cast: dtype must be one of "
+                                                               r"torch.float32.*got"):
+        cg.cast(cg.input([3]), dtype)
+
+
+def test_elementwise_operands_must_be_tensors_of_the_fusion():
+    with cg.Fusion("other"):
+        foreign = cg.input([3])
+    with cg.Fusion("bad"):
+        with pytest.raises(cg.ScheduleError, match="silu: argument x .* belongs to another"):
+            cg.silu(foreign)
+        with pytest.raises(cg.ScheduleError, match="add: argument b must be a tensor"):
+            cg.add(cg.input([3]), 1.0)
+
+
+def test_evaluator_refuses_wrong_shapes_naming_the_argument():
+    program = cg.lower(examples.llama_mlp(torch.float32))
+    xs = _inputs("llama_mlp", torch.float32)
+    xs[2] = xs[2][:, :5]
+    with pytest.raises(ValueError, match="llama_mlp: argument w_up axis 1 must have size h"):
+        cg.evaluate(program, xs)
