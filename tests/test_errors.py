@@ -240,3 +240,14 @@ def test_a_program_may_mix_dtypes_but_not_one_op():
             cg.ScheduleError, match="matmul: all operands must have one dtype, found a=T0 is "
                                     "float32, b=T1 is bfloat16; convert one with cg.cast"):
         cg.matmul(cg.input([2, 3]), cg.input([3, 4], torch.bfloat16))
+
+
+def test_evaluator_names_an_unknown_node_kind_as_a_bug():
+    class Mystery(hir.Node):
+        def __str__(self) -> str:
+            return "Mystery()"
+
+    program = hir.HostProgram("p", [], [], [Mystery()])
+    with pytest.raises(cg.InternalError, match="bug.*the evaluator has no rule for Mystery "
+                                               r"nodes \(Mystery\(\)\)"):
+        cg.evaluate(program, [])

@@ -193,3 +193,24 @@ def test_pool_of_one_stays_on_the_callers_stream_with_a_symbolic_slice_count():
     a, b = ints(21, 4), ints(4, 5)
     assert torch.equal(cg.evaluate(program, [a, b])[0], a @ b)
     assert "SetCurrentStream(Stream(i % 4))" in str(cg.lower(fusion, pool_size=4))
+
+
+def test_remove_dead_code_drops_dead_gemms():
+    """A GEMM whose result no output reads goes, with its allocation, its views and its
+    loop's stream work: nothing of it is left to run."""
+    with cg.Fusion("dead") as fusion:
+        a, b = cg.input(["m", "k"]), cg.input(["k", "n"])
+        dead = cg.matmul(a, b)
+        live = cg.matmul(a, b)
+        cg.output(live)
+    dead.outer_split(0, 2)
+    dead.axis(0).parallelize(cg.ParallelType.Stream)
+    program = cg.lower(fusion)
+    assert [str(n) for n in program.nodes()] == [
+        "T3 = Allocate(float32[m, n])", "Matmul(T0, T1, out=T3)"]
+
+
+def test_remove_dead_code_keeps_what_outputs_read_through_views():
+    program = cg.lower(examples.llama_mlp())
+    kinds = [type(n).__name__ for n in program.nodes()]
+    assert kinds.count("Linear") == 3 and kinds.count("Mul") == 1
