@@ -14,6 +14,15 @@ from . import hostir as hir
 from .errors import ScheduleError
 from .ir import Fusion
 
+# The most worker streams a program may use (``lower``'s pool_size), as many as PyTorch's
+# own pool has per priority. Each thread that calls an op leases worker streams, each with
+# an event and, from its first cuBLASLt GEMM, a workspace (32 MiB by default), which are
+# kept for the process: a lease goes back to a pool when its thread exits and a later
+# thread reuses it. The copy stream is the lease's stream after the pool's, so a lease
+# holds at most MAX_POOL_SIZE + 1 streams. The runtime enforces the same bound
+# (``kMaxWorkers`` in codegen/include/codegen/stream.h; a test keeps the two equal).
+MAX_POOL_SIZE = 32
+
 
 def _dump_stages() -> set[str]:
     return {s.strip() for s in os.environ.get("CODEGEN_DUMP", "").split(",") if s.strip()}
@@ -26,16 +35,20 @@ def _dump(title: str, text: str) -> None:
 def lower(fusion: Fusion, *, pool_size: int = 4, gemm_sm_count: int = 0,
           gemm_library: str = "cublaslt", copy_stream: bool = False) -> hir.HostProgram:
     """Runs the fusion passes on a copy of ``fusion``, builds the host program and runs the
-    host-IR passes. ``pool_size`` bounds the number of worker streams; ``gemm_sm_count``
-    (0 = all) caps the SMs each GEMM may use, leaving the rest to copies and collectives
-    that overlap it; ``gemm_library`` picks cached cuBLASLt plans ("cublaslt", the
-    default) or one cublasGemmEx per GEMM ("cublas"); ``copy_stream`` queues the
-    host-to-device copies of host inputs read in slices on one stream of their own, in
-    slice order, instead of on the slices' worker streams (``hostir.queue_copies_in``)."""
+    host-IR passes. ``pool_size`` (1 to ``MAX_POOL_SIZE``) bounds the number of worker
+    streams; ``gemm_sm_count`` (0 = all) caps the SMs each GEMM may use, leaving the rest
+    to copies and collectives that overlap it; ``gemm_library`` picks cached cuBLASLt
+    plans ("cublaslt", the default) or one cublasGemmEx per GEMM ("cublas");
+    ``copy_stream`` queues the host-to-device copies of host inputs read in slices on one
+    stream of their own, in slice order, instead of on the slices' worker streams
+    (``hostir.queue_copies_in``)."""
     if not isinstance(fusion, Fusion):
         raise ScheduleError(f"lower expects a cg.Fusion, got {type(fusion).__name__}")
     if isinstance(pool_size, bool) or not isinstance(pool_size, int) or pool_size < 1:
         raise ScheduleError(f"lower: pool_size must be an int >= 1, got {pool_size!r}")
+    if pool_size > MAX_POOL_SIZE:
+        raise ScheduleError(f"lower: pool_size must be at most {MAX_POOL_SIZE} (worker streams "
+                            f"per thread, kept for the process), got {pool_size}")
     if isinstance(gemm_sm_count, bool) or not isinstance(gemm_sm_count, int) or gemm_sm_count < 0:
         raise ScheduleError(f"lower: gemm_sm_count must be an int >= 0 (0 = all SMs), got "
                             f"{gemm_sm_count!r}")

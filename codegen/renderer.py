@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from . import distributed, ops
+from . import digest, distributed, ops
 from . import hostir as hir
 from .errors import InternalError
 from .ir import DTYPE_NAMES, CeilDiv, Const, Expr, Min, Mul, Sym
@@ -127,11 +127,11 @@ def _files_digest(files: list[Path], *extra: str) -> str:
 
 
 def program_digest(program: hir.HostProgram) -> str:
-    """The full hash of what the C++ of ``program`` is made from: its text, the
-    constraints that become checks (``str(program)`` does not print them), and the
-    renderer. The build cache stores it and compares it on load."""
-    constraints = "\n".join(f"{k.what}: {k.lhs} == {k.rhs}" for k in program.constraints)
-    text = f"{program}\n{constraints}\n{_renderer_digest()}"
+    """The full hash of what the C++ of ``program`` is made from: every field of the
+    program and of each of its nodes (``digest.canonical``: options, constraints and
+    what ``str(program)`` does not print included), and the renderer. The build cache
+    stores it and compares it on load."""
+    text = f"{digest.canonical(program)}\n{_renderer_digest()}"
     return hashlib.sha256(text.encode()).hexdigest()
 
 

@@ -8,6 +8,15 @@
 // at once, and nothing is created per call. (PyTorch's own pool hands out its 32
 // streams round-robin, so a ninth thread would share the first thread's streams.)
 //
+// What a lease holds at most: kMaxWorkers + 1 streams (positions 0 .. kMaxWorkers - 1
+// are the workers of a pool of up to kMaxWorkers, lower()'s pool_size limit; position
+// `pool` is a program's copy stream), each created on first use with one event and,
+// from its first cuBLASLt GEMM, one workspace (gemm_plan.h: 32 MiB by default); plus
+// one event and up to kCallerWorkspaces workspaces for the caller's streams. None of it
+// is freed: a lease is given back to the pool when its thread exits and reused whole by
+// the next thread that takes one on that device, so the process keeps, per device, at
+// most one lease per thread alive at once, each of at most that size.
+//
 // `Streams` is the host program's view of them, one per call: it remembers the caller's
 // stream, makes streams current for PyTorch (allocations, cuBLAS workspaces), and on
 // every exit -- a return or an exception thrown mid-loop -- makes the caller's stream
@@ -57,6 +66,10 @@ struct Stream {
   Workspace* workspace = nullptr;  // its own (Lease), or none: GEMMs then take cublasGemmEx
 };
 
+// The most worker streams of a pool (the Python side's lowering.MAX_POOL_SIZE); the copy
+// stream is position `pool`, so a lease has at most kMaxWorkers + 1 streams.
+inline constexpr int64_t kMaxWorkers = 32;
+
 // The streams one thread uses on one device.
 struct Lease {
   int32_t device = 0;
@@ -81,7 +94,11 @@ struct Lease {
     return caller_workspaces.back().second.get();
   }
 
+  // Stream `k` of the lease, created (with its event) on first use: 0 <= k <= kMaxWorkers.
   Stream& worker(int64_t k) {
+    CG_CHECK(k >= 0 && k <= kMaxWorkers, "codegen: worker stream ", k,
+             " is out of range: a lease holds streams 0 to ", kMaxWorkers, " (", kMaxWorkers,
+             " workers and the copy stream; lower() refuses pool_size > ", kMaxWorkers, ")");
     while (static_cast<int64_t>(workers.size()) <= k) {
       Stream s;
       s.worker = static_cast<int64_t>(workers.size());
