@@ -169,6 +169,21 @@ class Streams:
             self.pending[key] = None
         self.log.append(("set", key))
 
+    def record(self) -> object:
+        """An event recorded on the current stream (a marker on the CPU)."""
+        self.log.append(("record", self.current))
+        if not self.cuda:
+            return ("recorded", self.current)
+        event = torch.cuda.Event()
+        event.record(self.stream(self.current))
+        return event
+
+    def wait_event(self, event: object) -> None:
+        """The current stream waits for ``event`` (from ``record``)."""
+        self.log.append(("wait event", self.current))
+        if self.cuda:
+            self.stream(self.current).wait_event(event)  # type: ignore[arg-type]
+
     def synchronize(self, key: int | None) -> None:
         """The current stream waits for ``key``'s stream."""
         if self.cuda:
@@ -187,6 +202,7 @@ class Interpreter(distributed.CommunicationEvaluator):
         # a loop index ("i") without one shadowing the other.
         self.indices: dict[str, int] = {}
         self.stream_names: dict[str, int | None] = {}  # values of GetCurrentStream
+        self.events: dict[str, list[object | None]] = {}  # CreateEvents; None: not recorded
         self.group: object | None = None  # the process group of Communication nodes
 
     def stream_key(self, ref: hir.StreamRef) -> int | None:
@@ -232,6 +248,17 @@ class Interpreter(distributed.CommunicationEvaluator):
 
     def Synchronize(self, n: hir.Synchronize) -> None:
         self.streams.synchronize(self.stream_key(n.stream))
+
+    def CreateEvents(self, n: hir.CreateEvents) -> None:
+        self.events[n.name] = [None] * n.count.evaluate(self.env)
+
+    def RecordEvent(self, n: hir.RecordEvent) -> None:
+        self.events[n.event.name][n.event.position(self.indices)] = self.streams.record()
+
+    def WaitEvent(self, n: hir.WaitEvent) -> None:
+        event = self.events[n.event.name][n.event.position(self.indices)]
+        if event is not None:  # not recorded yet in this call: nothing to wait for
+            self.streams.wait_event(event)
 
     def ForLoop(self, n: hir.ForLoop) -> None:
         per_iteration = [d for node in n.body for d in node.defines()]  # slice views

@@ -156,8 +156,10 @@ def llama_mlp(dtype: torch.dtype = torch.bfloat16, slices: int = 4, weights: str
     ``F.linear``. The intermediate axis (``inter``) is in ``slices`` stream slices: slice
     j's gate and up GEMMs and its SiLU-and-multiply kernel run on one stream; ``down``
     reduces over that axis, so it runs after the loop, on the whole intermediate.
-    ``weights="cpu"``: the three weights live in host memory (gate and up streamed in by
-    slices, down copied whole)."""
+    ``weights="cpu"``: the three weights live in host memory and are streamed in by
+    slices: gate and up by the intermediate's slices, down by slices of its output
+    columns (``h``) in a second loop, whose first copies run under the first loop's
+    GEMMs when the program has a copy stream (``hostir.hoist_staging``)."""
     _check_slices("llama_mlp", slices)
     device = _weights("llama_mlp", weights)
     with Fusion(name) as fusion:
@@ -166,9 +168,13 @@ def llama_mlp(dtype: torch.dtype = torch.bfloat16, slices: int = 4, weights: str
         w_up = ir.input(["inter", "h"], dtype, name="w_up", device=device)
         w_down = ir.input(["h", "inter"], dtype, name="w_down", device=device)
         act = ir.mul(ir.silu(ir.linear(x, w_gate)), ir.linear(x, w_up))
-        ir.output(ir.linear(act, w_down))
+        out = ir.linear(act, w_down)
+        ir.output(out)
     act.outer_split(1, slices)
     act.axis(1).parallelize(Stream)
+    if device == "cpu":  # stream w_down too, by row blocks (contiguous in host memory)
+        out.outer_split(1, slices)
+        out.axis(1).parallelize(Stream)
     return fusion
 
 
@@ -178,7 +184,8 @@ def gpt_mlp(dtype: torch.dtype = torch.bfloat16, slices: int = 4, weights: str =
     w2 [h, i], b2 [h]) -> [m, h] = F.linear(F.gelu(F.linear(x, w1, b1),
     approximate="tanh"), w2, b2)``. The intermediate axis in ``slices`` stream slices;
     fc1's bias and the tanh-GELU run in its cuBLASLt epilogue; fc2 reduces over the
-    intermediate, after the loop. ``weights="cpu"``: weights and biases in host memory."""
+    intermediate, after the loop. ``weights="cpu"``: weights and biases in host memory,
+    streamed in by slices as for ``llama_mlp``."""
     _check_slices("gpt_mlp", slices)
     device = _weights("gpt_mlp", weights)
     with Fusion(name) as fusion:
@@ -188,9 +195,13 @@ def gpt_mlp(dtype: torch.dtype = torch.bfloat16, slices: int = 4, weights: str =
         w2 = ir.input(["h", "inter"], dtype, name="w2", device=device)
         b2 = ir.input(["h"], dtype, name="b2", device=device)
         act = ir.gelu(ir.linear(x, w1, b1), approximate="tanh")
-        ir.output(ir.linear(act, w2, b2))
+        out = ir.linear(act, w2, b2)
+        ir.output(out)
     act.outer_split(1, slices)
     act.axis(1).parallelize(Stream)
+    if device == "cpu":
+        out.outer_split(1, slices)
+        out.axis(1).parallelize(Stream)
     return fusion
 
 

@@ -395,6 +395,64 @@ class StreamSynchronize(Node):
         return f"StreamSynchronize({self.stream})"
 
 
+@dataclasses.dataclass(frozen=True)
+class Event:
+    """Event ``position(i)`` of an event array made by ``CreateEvents``: ``T1_free[i % 4]``.
+    Recorded on one stream, waited for on another: the waiting stream is then ordered
+    after exactly the work queued before the record, not after everything its stream
+    got later (what ``Synchronize`` waits for)."""
+
+    name: str
+    index: str
+    pool: int | None = None
+
+    def position_str(self) -> str:
+        return f"{self.index} % {self.pool}" if self.pool else self.index
+
+    def position(self, env: Mapping[str, int]) -> int:
+        k = env[self.index]
+        return k % self.pool if self.pool else k
+
+    def __str__(self) -> str:
+        return f"{self.name}[{self.position_str()}]"
+
+
+@dataclasses.dataclass(eq=False)
+class CreateEvents(Node):
+    """``name`` = ``count`` events, none recorded yet in this call (waiting for an event
+    not yet recorded waits for nothing)."""
+
+    name: str
+    count: Expr
+
+    def defines(self) -> list[str]:
+        return [self.name]
+
+    def __str__(self) -> str:
+        return f"{self.name} = CreateEvents({self.count})"
+
+
+@dataclasses.dataclass(eq=False)
+class RecordEvent(Node):
+    """``event`` marks the work queued on the current stream so far."""
+
+    event: Event
+
+    def __str__(self) -> str:
+        return f"RecordEvent({self.event})"
+
+
+@dataclasses.dataclass(eq=False)
+class WaitEvent(Node):
+    """The current stream waits for the last record of ``event`` in this call (nothing if
+    it was not recorded yet); the host never blocks."""
+
+    event: Event
+
+    def __str__(self) -> str:
+        return f"WaitEvent({self.event})"
+
+
 # ---------------------------------------------------------------------------- program
 
 
@@ -599,11 +657,13 @@ def insert_fork_join(program: HostProgram) -> HostProgram:
     Synchronizing inside the compute loop would serialize the slices; here each worker
     waits once for the caller's prior work (fork) and the caller waits once for each
     worker (join), so the caller can consume the outputs on its own stream. A loop on
-    the caller's stream (``on_caller_stream``) needs neither. A loop that queues its
-    copies on the copy stream (``queue_copies_in``) forks and joins that stream too.
+    the caller's stream (``on_caller_stream``) needs neither. The copy stream
+    (``queue_copies_in``) is forked with the first loop that queues copies on it and
+    joined with the last (``hoist_staging``), so it runs ahead across loops.
     """
     pool = program.pool_size
     used = False
+    copy_loops = [program.body[k] for k in _copy_stream_loops(program)]
 
     def fork_join(loop: ForLoop) -> list[Node]:
         nonlocal used
@@ -614,11 +674,10 @@ def insert_fork_join(program: HostProgram) -> HostProgram:
         fork: list[Node] = [ForLoop("j", Const(0), n_streams,
                                     [SetCurrentStream(Stream("j")), Synchronize(MAIN_STREAM)])]
         join: list[Node] = [ForLoop("j", Const(0), n_streams, [Synchronize(Stream("j"))])]
-        copier = [n.stream for n in loop.body
-                  if isinstance(n, SetCurrentStream) and isinstance(n.stream, CopyStream)]
-        if copier:
-            fork += [SetCurrentStream(copier[0]), Synchronize(MAIN_STREAM)]
-            join.append(Synchronize(copier[0]))
+        if copy_loops and loop is copy_loops[0]:
+            fork += [SetCurrentStream(CopyStream(pool)), Synchronize(MAIN_STREAM)]
+        if copy_loops and loop is copy_loops[-1]:
+            join.append(Synchronize(CopyStream(pool)))
         return [*fork, loop, SetCurrentStream(MAIN_STREAM), *join]
 
     out = _map_stream_loops(program, fork_join)
@@ -665,7 +724,16 @@ def remove_dead_code(program: HostProgram) -> HostProgram:
     Before:  T3 = Allocate(...); Matmul(T0, T1, out=T3)   # T3 never read, not an output
              T4_i = ShardByStream(T4, ...)                  # T4_i never used
     After:   (gone)
+    Repeated until nothing changes (a view dropped can leave its tensor unread).
     """
+    while True:
+        smaller = _remove_dead_code_once(program)
+        if len(list(smaller.nodes())) == len(list(program.nodes())):
+            return smaller
+        program = smaller
+
+
+def _remove_dead_code_once(program: HostProgram) -> HostProgram:
     live_values = _live_values(program)
     root = _roots(program)
 
@@ -695,6 +763,8 @@ def remove_dead_code(program: HostProgram) -> HostProgram:
                 continue
             if isinstance(n, ForLoop):
                 n = dataclasses.replace(n, body=keep(n.body))
+                if not n.body:  # a loop left with nothing to do goes too
+                    continue
             kept.append(n)
         return kept
 
@@ -1007,22 +1077,25 @@ def queue_copies_in(program: HostProgram) -> HostProgram:
     Before:  SetCurrentStream(Stream(i % 4)); T1_i = ShardByStream(T1, ...)
              T1_s = StagingSlot(T1_stage, slot=i % 4, like=T1_i); Copy(T1_i, out=T1_s)
              Matmul(T0, T1_s, ...)
-    After:   SetCurrentStream(CopyStream); Synchronize(Stream(i % 4))
+    After:   SetCurrentStream(CopyStream); WaitEvent(T1_stage_free[i % 4])
              T1_i = ...; T1_s = ...; Copy(T1_i, out=T1_s)
-             SetCurrentStream(Stream(i % 4)); Synchronize(CopyStream); Matmul(T0, T1_s, ...)
-    The copy stream first waits for the slot's worker (everything queued on it so far:
-    the GEMM of slice i - 4, the slot's last user, and with host outputs also that
-    slice's copy out, so a copy in can wait behind a copy out; not needed where every
-    slice has its own slot, ``Stream(i)``), the worker then waits for the copy. The
-    copies leave the host in order, one at a time, so the first one ends after its own
-    bytes instead of sharing the bus with the copies of the other workers; copies out
-    (host outputs) stay on the workers. A loop on the caller's stream
-    (``on_caller_stream``) is left alone.
+             SetCurrentStream(Stream(i % 4)); Synchronize(CopyStream)
+             Matmul(T0, T1_s, ...); RecordEvent(T1_stage_free[i % 4])
+    A slot reused by a later slice first waits for the event its last reader recorded
+    (the GEMM of slice i - 4 that read it: not the rest of that worker's queue, such as
+    the next GEMM of its slice or a copy out); where every slice has its own slot
+    (``Stream(i)``) there is nothing to wait for. The worker then waits for the copy
+    stream, whose last work is this slice's copy. The copies leave the host in order,
+    one at a time, so the first one ends after its own bytes instead of sharing the bus
+    with the copies of the other workers; copies out (host outputs) stay on the
+    workers. The events are made with the staging (``CreateEvents`` after its
+    Allocate). A loop on the caller's stream (``on_caller_stream``) is left alone.
     """
     if not program.copy_stream:
         return program
     pool = program.pool_size
     copier = CopyStream(pool)
+    created: dict[str, CreateEvents] = {}  # stage -> its events
 
     def queue(loop: ForLoop) -> list[Node]:
         moved = _copies_in(loop.body)
@@ -1032,15 +1105,80 @@ def queue_copies_in(program: HostProgram) -> HostProgram:
         if not (isinstance(first, SetCurrentStream) and isinstance(first.stream, Stream)):
             raise InternalError(f"{loop}: streams are not assigned\n{program}")
         worker = first.stream
-        # A slot reused by a later slice (Stream(i % pool)) waits for its worker; with a
-        # slot and a stream per slice (Stream(i)), the fork has ordered everything.
-        reuse = [Synchronize(worker)] if worker.pool else []
         rest = [n for n in loop.body[1:] if not any(n is m for m in moved)]
-        body = [SetCurrentStream(copier), *reuse, *moved,
+        waits: list[Node] = []
+        if worker.pool:  # slots are reused: Stream(i % pool)
+            for slot in (n for n in moved if isinstance(n, StagingSlot)):
+                event = Event(f"{slot.stage}_free", loop.index, pool)
+                created[slot.stage] = CreateEvents(event.name, stream_count(loop, pool))
+                waits.append(WaitEvent(event))
+                readers = [k for k, n in enumerate(rest) if slot.out in n.uses()]
+                if not readers:
+                    raise InternalError(f"{slot}: nothing reads the slot\n{program}")
+                rest.insert(readers[-1] + 1, RecordEvent(event))
+        body = [SetCurrentStream(copier), *waits, *moved,
                 SetCurrentStream(worker), Synchronize(copier), *rest]
         return [dataclasses.replace(loop, body=body)]
 
-    return _map_stream_loops(program, queue)
+    out = _map_stream_loops(program, queue)
+    if not created:
+        return out
+    body: list[Node] = []
+    for n in out.body:
+        body.append(n)
+        if isinstance(n, Allocate) and n.out.name in created:
+            body.append(created[n.out.name])
+    return out.replace(body=body)
+
+
+def _copy_stream_loops(program: HostProgram) -> list[int]:
+    """Positions in the program's body of the stream loops that use the copy stream."""
+    return [k for k, n in enumerate(program.body) if isinstance(n, ForLoop) and any(
+        isinstance(c, SetCurrentStream) and isinstance(c.stream, CopyStream) for c in n.body)]
+
+
+def hoist_staging(program: HostProgram) -> HostProgram:
+    """With a copy stream, allocates every staging tensor (and its events) before the
+    first loop and frees it after the last, so the copy stream is forked once, before
+    the first loop, and joined once, after the last (``insert_fork_join``): the copies of
+    loop l + 1 then queue right behind those of loop l and run under loop l's GEMMs,
+    where a fork per loop would start them only after loop l had finished.
+
+    Before:  T1_stage = Allocate(...); for ...: (copies into T1_stage); Deallocate(T1_stage)
+             T3_stage = Allocate(...); for ...: (copies into T3_stage); Deallocate(T3_stage)
+    After:   T1_stage = Allocate(...); T3_stage = Allocate(...)
+             for ...: ...; for ...: ...
+             Deallocate(T1_stage); Deallocate(T3_stage)
+    Staging lives on the caller's stream's pool, allocated before the copy stream's fork,
+    so the caching allocator's rule (a block is used on another stream only after its
+    allocation) holds; freed after the final join. GPU memory for the staging of all
+    loops is held at once (the slots, never a whole host tensor).
+    """
+    loops = _copy_stream_loops(program)
+    if len(loops) < 2:
+        return program
+    stages = {n.stage for n in program.nodes() if isinstance(n, StagingSlot)}
+
+    def hoisted(n: Node) -> bool:
+        return (isinstance(n, Allocate) and n.out.name in stages) or \
+            (isinstance(n, CreateEvents) and n.name.removesuffix("_free") in stages)
+
+    def freed(n: Node) -> bool:
+        return isinstance(n, Deallocate) and n.tensor in stages
+
+    first, last = program.body[loops[0]], program.body[loops[-1]]
+    head = [n for n in program.body if hoisted(n)]
+    tail = [n for n in program.body if freed(n)]
+    body: list[Node] = []
+    for n in program.body:
+        if hoisted(n) or freed(n):
+            continue
+        if n is first:
+            body += head
+        body.append(n)
+        if n is last:
+            body += tail
+    return program.replace(body=body)
 
 
 HOSTIR_PASSES: tuple[HostPass, ...] = (
@@ -1049,6 +1187,7 @@ HOSTIR_PASSES: tuple[HostPass, ...] = (
     stage_host_tensors,
     assign_streams,
     queue_copies_in,
+    hoist_staging,
     insert_fork_join,
     synchronize_host_outputs,
 )

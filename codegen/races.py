@@ -251,6 +251,19 @@ class _Checker(Interpreter):
     def StreamSynchronize(self, n: hir.StreamSynchronize) -> None:
         self.join(HOST, self.stream_key(n.stream))
 
+    def RecordEvent(self, n: hir.RecordEvent) -> None:
+        """The event holds the current stream's clock as it stands: what was queued so far."""
+        key = self.streams.current
+        self.join(key, HOST)
+        self.events[n.event.name][n.event.position(self.indices)] = dict(self.clock(key))
+
+    def WaitEvent(self, n: hir.WaitEvent) -> None:
+        recorded = self.events[n.event.name][n.event.position(self.indices)]
+        if recorded is not None:
+            mine = self.clock(self.streams.current)
+            for k, e in recorded.items():  # type: ignore[union-attr]
+                mine[k] = max(mine.get(k, 0), e)
+
     def Copy(self, n: hir.Copy) -> None:
         self.access(n, [n.src], [n.out])
 

@@ -403,6 +403,15 @@ class _Statements:
     def Deallocate(self, n: hir.Deallocate) -> dict[str, Any]:
         return {"tensor": self.names(n.tensor)}
 
+    def CreateEvents(self, n: hir.CreateEvents) -> dict[str, Any]:
+        return {"out": self.names(n.name), "count": self.names.expr(n.count)}
+
+    def RecordEvent(self, n: hir.RecordEvent) -> dict[str, Any]:
+        return {"events": self.names(n.event.name), "position": n.event.position_str()}
+
+    def WaitEvent(self, n: hir.WaitEvent) -> dict[str, Any]:
+        return {"events": self.names(n.event.name), "position": n.event.position_str()}
+
     def GetCurrentStream(self, n: hir.GetCurrentStream) -> dict[str, Any]:
         return {"out": n.out}
 

@@ -1,6 +1,7 @@
 """``copy_stream=True`` (hostir.queue_copies_in): host-to-device copies of host inputs read
-in slices go on one copy stream, in slice order, each waiting for its slot's worker, and
-each slice's GEMM waits for its copy. Structure, order (codegen.races), values (the
+in slices go on one copy stream, in slice order, each waiting for the event its slot's
+last reader recorded, and each slice's GEMM waits for its copy; the copy stream is forked
+once and joined once, so across loops it runs ahead (hostir.hoist_staging). Structure, order (codegen.races), values (the
 evaluator, exact on the CPU) and the C++; the GPU tests are in test_copy_gpu.py (its
 graph-capture test runs with a copy stream too)."""
 
@@ -20,6 +21,7 @@ HostProgram stream_weights(T0: float32[m, k], T1: float32[k, n] device=cpu) -> (
   main_stream = GetCurrentStream()
   T2 = Allocate(float32[m, n])
   T1_stage = Allocate(float32[4, k, ceilDiv(n, 8)])
+  T1_stage_free = CreateEvents(4)
   for j in range(0, 4):
     SetCurrentStream(Stream(j))
     Synchronize(main_stream)
@@ -27,7 +29,7 @@ HostProgram stream_weights(T0: float32[m, k], T1: float32[k, n] device=cpu) -> (
   Synchronize(main_stream)
   for i in range(0, 8) [Stream]:
     SetCurrentStream(CopyStream)
-    Synchronize(Stream(i % 4))
+    WaitEvent(T1_stage_free[i % 4])
     T1_i = ShardByStream(T1, axis=1, index=i, chunk=ceilDiv(n, 8))
     T1_s = StagingSlot(T1_stage, slot=i % 4, like=T1_i)
     Copy(T1_i, out=T1_s)
@@ -35,6 +37,7 @@ HostProgram stream_weights(T0: float32[m, k], T1: float32[k, n] device=cpu) -> (
     Synchronize(CopyStream)
     T2_i = ShardByStream(T2, axis=1, index=i, chunk=ceilDiv(n, 8))
     Matmul(T0, T1_s, out=T2_i)
+    RecordEvent(T1_stage_free[i % 4])
   SetCurrentStream(main_stream)
   for j in range(0, 4):
     Synchronize(Stream(j))
@@ -70,7 +73,7 @@ def test_print_stream_weights_with_a_copy_stream():
 def test_a_slot_per_slice_needs_no_wait_for_its_worker():
     text = str(lower(ex.offload_activations, 3))
     assert OFFLOAD_ACTIVATIONS_3 in text, text
-    assert "Synchronize(Stream(i" not in text
+    assert "Synchronize(Stream(i" not in text and "Event" not in text
 
 
 def test_only_copies_of_slices_move_to_the_copy_stream():
@@ -114,20 +117,35 @@ def rewrite_loop(program, fn):
     return program.replace(body=body)
 
 
-@pytest.mark.parametrize("waits_for,kind,example", [
+def _slot_event_wait(n):
+    return isinstance(n, hir.WaitEvent)
+
+
+def _slot_event_record(n):
+    return isinstance(n, hir.RecordEvent)
+
+
+def _copy_wait(n):
+    return isinstance(n, hir.Synchronize) and isinstance(n.stream, hir.CopyStream)
+
+
+@pytest.mark.parametrize("drop,kind,example", [
     # The copy into slot 0 for slice 4 would overwrite what slice 0's GEMM still reads.
-    (hir.Stream, "write after read", "Copy(T1_i, out=T1_s) on CopyStream [i=4] is not "
-     "ordered after Matmul(T0, T1_s, out=T2_i) on Stream(0) [i=0]"),
+    (_slot_event_wait, "write after read", "Copy(T1_i, out=T1_s) on CopyStream [i=4] is "
+     "not ordered after Matmul(T0, T1_s, out=T2_i) on Stream(0) [i=0]"),
+    # The same, with the event never recorded (a wait for an event not recorded waits
+    # for nothing).
+    (_slot_event_record, "write after read", "Copy(T1_i, out=T1_s) on CopyStream [i=4] is "
+     "not ordered after Matmul(T0, T1_s, out=T2_i) on Stream(0) [i=0]"),
     # Slice 0's GEMM would read its slot while the copy still writes it.
-    (hir.CopyStream, "read before write", "Matmul(T0, T1_s, out=T2_i) on Stream(0) [i=0] "
+    (_copy_wait, "read before write", "Matmul(T0, T1_s, out=T2_i) on Stream(0) [i=0] "
      "is not ordered after Copy(T1_i, out=T1_s) on CopyStream [i=0]"),
 ])
-def test_each_wait_in_the_loop_is_needed(waits_for, kind, example):
-    """Dropping the copy stream's wait for the slot's worker, or the worker's wait for
-    the copy, leaves exactly that hazard on the staging slots."""
-    program = rewrite_loop(lower(ex.stream_weights, 8), lambda body: [
-        n for n in body if not (isinstance(n, hir.Synchronize)
-                                and isinstance(n.stream, waits_for))])
+def test_each_wait_in_the_loop_is_needed(drop, kind, example):
+    """Dropping the copy stream's wait for the event of the slot's last reader, that
+    record, or the worker's wait for the copy, leaves exactly that hazard on the slots."""
+    program = rewrite_loop(lower(ex.stream_weights, 8),
+                           lambda body: [n for n in body if not drop(n)])
     found = races.find_races(program, [ints(9, 16), ints(16, 13)])
     assert {(r.kind, r.tensor) for r in found} == {(kind, "T1_stage")}
     assert any(example in str(r) for r in found), [str(r) for r in found]
@@ -173,7 +191,10 @@ def test_copy_stream_cpp():
     lines = [line.strip() for line in source.splitlines()]
     copier = "streams.copy_stream(4)"
     assert f"streams.set_current({copier});" in lines
-    assert "streams.wait(streams.worker(i % 4));" in lines  # the copy stream, for the slot
+    assert "rt::Events T1_stage_free = streams.events(4);" in lines
+    assert "streams.wait(T1_stage_free, i % 4);  // nothing if not yet recorded in this call" \
+        in lines  # the copy stream, for the slot's last reader
+    assert "streams.record(T1_stage_free, i % 4);" in lines  # after that reader
     assert f"streams.wait({copier});" in lines  # the worker, for the copy
     loop = source[source.index("for (int64_t i = 0; i < 8; ++i) {"):]
     assert loop.index(f"streams.set_current({copier});") \

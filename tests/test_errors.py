@@ -6,6 +6,7 @@ from conftest import ints
 from helpers import stream_matmul_columns, stream_matmul_rows
 
 import codegen as cg
+from codegen import hostir as hir
 
 S = cg.ParallelType.Stream
 

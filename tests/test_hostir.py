@@ -6,6 +6,7 @@ from conftest import ints
 from helpers import stream_loops, stream_matmul_columns, stream_matmul_rows, two_matmuls
 
 import codegen as cg
+from codegen import examples
 from codegen import examples as ex
 from codegen import hostir as hir
 from codegen.errors import InternalError
@@ -196,8 +197,8 @@ def test_pool_of_one_stays_on_the_callers_stream_with_a_symbolic_slice_count():
 
 
 def test_remove_dead_code_drops_dead_gemms():
-    """A GEMM whose result no output reads goes, with its allocation, its views and its
-    loop's stream work: nothing of it is left to run."""
+    """A GEMM whose result no output reads goes, with its allocation and its views; the
+    live GEMM keeps the loop (the split reached it through the shared input)."""
     with cg.Fusion("dead") as fusion:
         a, b = cg.input(["m", "k"]), cg.input(["k", "n"])
         dead = cg.matmul(a, b)
@@ -206,8 +207,17 @@ def test_remove_dead_code_drops_dead_gemms():
     dead.outer_split(0, 2)
     dead.axis(0).parallelize(cg.ParallelType.Stream)
     program = cg.lower(fusion)
-    assert [str(n) for n in program.nodes()] == [
-        "T3 = Allocate(float32[m, n])", "Matmul(T0, T1, out=T3)"]
+    text = str(program)
+    assert "T2" not in text and text.count("Matmul(") == 1, text
+    assert "Matmul(T0_i, T1, out=T3_i)" in text
+    with cg.Fusion("dead_loop") as fusion:
+        a, b = cg.input(["m", "k"]), cg.input(["k", "n"])
+        dead = cg.matmul(a, b)
+        cg.output(cg.silu(b))
+    dead.outer_split(0, 2)
+    dead.axis(0).parallelize(cg.ParallelType.Stream)
+    assert [str(n) for n in cg.lower(fusion).nodes()] == [
+        "T3 = Allocate(float32[k, n])", "Silu(T1, out=T3)"]
 
 
 def test_remove_dead_code_keeps_what_outputs_read_through_views():

@@ -83,6 +83,19 @@ struct Lease {
   // stream destroyed while its work runs, whose handle a new stream then gets, would
   // hand that work's workspace to the new stream's GEMMs.
   static constexpr size_t kCallerWorkspaces = 4;
+  // Events for the host IR's CreateEvents, handed out anew to each call (Streams::events)
+  // and reused by the thread's next call: as many as one call of the thread used at most.
+  std::vector<cudaEvent_t> events;
+
+  cudaEvent_t event(size_t k) {
+    while (events.size() <= k) {
+      cudaEvent_t e = nullptr;
+      check_cuda(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "codegen",
+                 "creating an event");
+      events.push_back(e);
+    }
+    return events[k];
+  }
   std::vector<std::pair<cudaStream_t, std::unique_ptr<Workspace>>> caller_workspaces;
 
   Workspace* caller_workspace(cudaStream_t stream) {
@@ -224,6 +237,13 @@ const torch::stable::Tensor& tensor_of(const T& t) {
   }
 }
 
+// A call's array of events (the host IR's CreateEvents): `recorded.size()` events of the
+// thread's lease from `base` on, none recorded yet in this call.
+struct Events {
+  size_t base = 0;
+  std::vector<char> recorded;
+};
+
 // One call's streams: see the comment at the top of this file.
 class Streams {
  public:
@@ -284,6 +304,32 @@ class Streams {
     t.reset();
   }
 
+  // `count` events, none recorded in this call (the lease's, reused call after call).
+  Events events(int64_t count) {
+    CG_CHECK(count >= 0 && count <= kMaxEventsPerCall, "codegen: a program asks for ", count,
+             " events; at most ", kMaxEventsPerCall, " per call (bug)");
+    Events e{events_used_, std::vector<char>(static_cast<size_t>(count), 0)};
+    if (count > 0) (void)lease_->event(events_used_ + static_cast<size_t>(count) - 1);
+    events_used_ += static_cast<size_t>(count);
+    return e;
+  }
+
+  // Event k of `e` marks the work queued on the current stream so far.
+  void record(Events& e, int64_t k) {
+    check_cuda(cudaEventRecord(lease_->events[e.base + static_cast<size_t>(k)],
+                               current_.handle), "codegen", "cudaEventRecord");
+    e.recorded[static_cast<size_t>(k)] = 1;
+  }
+
+  // The current stream waits for event k of `e`'s last record in this call (for nothing
+  // if it was not recorded yet: the slot it guards was not used yet).
+  void wait(const Events& e, int64_t k) {
+    if (!e.recorded[static_cast<size_t>(k)]) return;
+    check_cuda(cudaStreamWaitEvent(current_.handle,
+                                   lease_->events[e.base + static_cast<size_t>(k)], 0),
+               "codegen", "cudaStreamWaitEvent");
+  }
+
   const Stream& caller() const { return caller_; }
   const Stream& current() const { return current_; }
   Stream worker(int64_t k) { return lease_->worker(k); }
@@ -329,6 +375,9 @@ class Streams {
   bool caller_recorded_ = false;  // caller_.event holds all the caller's work so far
   std::vector<char> dirty_;  // worker k has work the caller's stream has not waited for
   std::vector<torch::stable::Tensor> kept_;  // see keep()
+  size_t events_used_ = 0;  // of the lease's events, by this call's Events
+  // Staging slots of a call's loops, each with one event per slot: far below this.
+  static constexpr int64_t kMaxEventsPerCall = 4096;
 };
 
 }  // namespace codegen_rt
