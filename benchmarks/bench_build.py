@@ -13,9 +13,11 @@ CODEGEN_CACHE_DIR, a new empty temporary folder (deleted afterwards unless --kee
 For each process: compile_s, cg.compile alone (lower, render if needed, build or load),
 timed inside the child; import_s, `import torch` and `import codegen` inside the child;
 wall_s, the child's whole wall time seen from this process (interpreter start and
-`import torch` included). Targets (issue 8): first <= 20 s, cold median <= 3.0 s,
-warm load <= 0.05 s. Runs on the CPU machines (no GPU needed). Prints a table and writes
-build.json to --out (default benchmarks/results).
+`import torch` included); build_ninja, whether the op's cache folder holds the build.ninja
+of torch.utils.cpp_extension (meta.build_path says how the programs were built). Targets
+(issue 8): first <= 20 s, cold median <= 3.0 s, warm load <= 0.05 s. Runs on the CPU
+machines (no GPU needed). Prints a table and writes build.json to --out (default
+benchmarks/results).
 """
 
 from __future__ import annotations
@@ -47,13 +49,15 @@ t0 = time.perf_counter()
 import json
 import torch
 import codegen as cg
-from codegen import examples
+from codegen import builder, examples
 t1 = time.perf_counter()
 fusion = examples.matmul_rows(torch.{dtype}, {slices}, {name!r})
 t2 = time.perf_counter()
 op = cg.compile(fusion)
 t3 = time.perf_counter()
-print({mark!r} + json.dumps({{"import_s": t1 - t0, "compile_s": t3 - t2, "op": op.name}}),
+print({mark!r} + json.dumps({{"import_s": t1 - t0, "compile_s": t3 - t2, "op": op.name,
+                            "build_path": builder.BUILD_PATH,
+                            "build_ninja": (op.library.parent / "build.ninja").is_file()}}),
       flush=True)
 """
 
@@ -111,6 +115,17 @@ def summarize(results: dict[str, Any]) -> dict[str, Any]:
     }
     summary["targets"] = {f"{k} <= {v:g}": summary[k] <= v for k, v in TARGETS.items()}
     return summary
+
+
+def build_path(results: dict[str, Any]) -> str:
+    """How the first and the cold-built programs were built: the builder's BUILD_PATH
+    where every one of them has its build.ninja, else what was seen."""
+    built = [results["first"], *results["cold"]]
+    path = " / ".join(sorted({r.get("build_path", "?") for r in built}))
+    ninja = [bool(r.get("build_ninja")) for r in built]
+    if all(ninja):
+        return path
+    return f"{path} (build.ninja in {sum(ninja)} of {len(ninja)} cache folders)"
 
 
 def table(results: dict[str, Any], summary: dict[str, Any]) -> str:
@@ -199,9 +214,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             f" {a}" for a in (argv if argv is not None else sys.argv[1:])),
         "loadavg_start": load_start,
         "loadavg_end": os.getloadavg(),
+        "build_path": build_path(results),
     }
     text = table(results, summary)
     print(text)
+    print(f"build path: {meta['build_path']}")
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "build.json").write_text(json.dumps(
         {"meta": meta, "summary": summary, **results}, indent=1))

@@ -6,16 +6,27 @@ rendered program that hash is known without rendering, so a cached op loads with
 Jinja). A folder whose ``ok`` stamp names that hash and its library's hash is loaded
 directly (``torch.ops.load_library``, no compiler); otherwise it is built under an
 exclusive ``flock`` (released by the OS if the builder dies, so a killed build leaves
-nothing that blocks the next) and loaded under the same lock. ``CODEGEN_REBUILD=1``
-forces a build.
+nothing that blocks the next) and loaded under the same lock. In one process, a lock per
+op name keeps two threads off one entry; different ops build at the same time.
+``CODEGEN_REBUILD=1`` forces a build.
 
-A program is one translation unit against torch's stable ABI (no ATen headers), built
-by one compiler run with the flags of ``toolchain()``. The runtime headers it starts with
-are precompiled once per cache (``_precompiled_runtime``). ``torch.utils.cpp_extension``
-is not used: the define it adds per extension name would make GCC refuse the shared
-precompiled header, and a single host-only file needs neither ninja nor nvcc. Without
-a GPU this still builds: the toolkit and the cuBLAS headers of the torch wheel are found
-here, not in the user's shell.
+The cache root and the folder of each entry and precompiled runtime are created private
+(mode 0700); one that is not owned by this user, or that group or others can write, is
+refused (``_private``): a library there could have been swapped by someone else.
+
+A program is one translation unit against torch's stable ABI (no ATen headers), built by
+``torch.utils.cpp_extension.load`` and ninja in the entry's folder (``build.ninja``,
+``<name>.o``, ``<name>.so``) with the flags of ``toolchain()`` as ``extra_cflags`` /
+``extra_ldflags``; ``load`` also loads the library. The runtime headers a program starts
+with are precompiled once per cache (``_precompiled_runtime``, one direct compiler run:
+cpp_extension builds libraries, not headers); the folder of that ``.gch`` goes first on
+the include path and GCC uses it, ``-DTORCH_EXTENSION_NAME`` notwithstanding. The build
+is ``with_cuda=False``: the file has no CUDA code, and the toolkit's and cuBLAS's headers
+and ``libcudart`` come from ``toolchain()`` (found here, not in the user's shell), so
+cpp_extension needs neither ``CUDA_HOME`` nor ``TORCH_CUDA_ARCH_LIST`` and nothing in
+``os.environ`` is changed (except ``PATH``, once, where ninja is only next to this
+Python: ``_ninja_on_path``). Each compiler run is stopped after ``CODEGEN_BUILD_TIMEOUT_S``
+(default 600) seconds with a ``BuildError``.
 """
 
 from __future__ import annotations
@@ -26,16 +37,20 @@ import dataclasses
 import fcntl
 import functools
 import hashlib
+import logging
 import os
 import re
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
+import sysconfig
 import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -60,17 +75,66 @@ TORCH_TARGET_VERSION = "0x020b000000000000"
 # two programs' copies of the runtime never bind to each other.
 CFLAGS = ("-O1", "-DNDEBUG", "-fvisibility=hidden", "-DUSE_CUDA",
           f"-DTORCH_TARGET_VERSION={TORCH_TARGET_VERSION}")
+# How a library is built; part of every cache key (a change of path rebuilds).
+BUILD_PATH = "torch.utils.cpp_extension.load+ninja"
+# Seconds one compiler run may take (CODEGEN_BUILD_TIMEOUT_S overrides).
+BUILD_TIMEOUT_S = 600.0
 _loaded: dict[str, tuple[str, Path]] = {}  # op name -> (digest, library) in this process
-_lock = threading.Lock()
+_lock = threading.Lock()  # guards _loaded, _name_locks, _registered; held for no compile
+_name_locks: dict[str, threading.Lock] = {}  # op name -> held while it is built or loaded
 
 
 class BuildError(RuntimeError):
     """The generated C++ did not compile or load; says where the full log is."""
 
 
+class _BuildTimeout(BuildError):
+    """A compiler run took longer than ``build_timeout()`` and was stopped."""
+
+
+class _LinkError(BuildError):
+    """The source compiled and the link failed."""
+
+
 def cache_root() -> Path:
     root = os.environ.get("CODEGEN_CACHE_DIR") or str(Path.home() / ".cache" / "codegen")
     return Path(root).expanduser()
+
+
+def build_timeout() -> float:
+    """Seconds one compiler run may take: ``CODEGEN_BUILD_TIMEOUT_S``, default 600."""
+    text = os.environ.get("CODEGEN_BUILD_TIMEOUT_S", "").strip()
+    if not text:
+        return BUILD_TIMEOUT_S
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = float("nan")
+    if not seconds > 0:
+        raise BuildError(f"codegen: CODEGEN_BUILD_TIMEOUT_S must be a number of seconds > 0, "
+                         f"got {text!r}")
+    return seconds
+
+
+def _private(folder: Path, parents: bool = False) -> None:
+    """Creates ``folder`` private (mode 0700) where it is missing, and refuses it, the way
+    ssh refuses a key file, where it is not owned by this user or group or others can
+    write it: whoever can write there can replace a library this process would load."""
+    folder.mkdir(mode=0o700, parents=parents, exist_ok=True)
+    st = folder.stat()
+    uid = os.geteuid()
+    if st.st_uid != uid:
+        wrong = f"it is owned by uid {st.st_uid}, not by you (uid {uid})"
+        fix = "set CODEGEN_CACHE_DIR to a folder of your own"
+    elif st.st_mode & 0o022:
+        who = " and ".join(w for w, bit in (("group", 0o020), ("others", 0o002))
+                           if st.st_mode & bit)
+        wrong = f"it is writable by {who} (mode {st.st_mode & 0o7777:04o})"
+        fix = f"chmod 700 {folder}, or set CODEGEN_CACHE_DIR to a folder of your own"
+    else:
+        return
+    raise BuildError(f"codegen: refusing to use the build cache folder {folder}: {wrong}, so "
+                     f"a library there may not be the one codegen built. Fix: {fix}")
 
 
 # ---------------------------------------------------------------------------- toolchain
@@ -102,9 +166,11 @@ def _wheel_cuda_includes() -> list[str]:
 @dataclasses.dataclass(frozen=True)
 class Toolchain:
     """The compiler and every flag a program is built with: the same for the runtime's
-    precompiled header and for each program, which is what lets GCC use the former."""
+    precompiled header and for each program, which is what lets GCC use the former.
+    cpp_extension adds its own (``-DTORCH_EXTENSION_NAME``, ``-shared``, ``-ltorch_python``
+    ...) before these, so ours win where they differ (``-std=c++20``)."""
 
-    cxx: tuple[str, ...]  # the compiler command ($CXX may carry a launcher: "ccache g++")
+    cxx: tuple[str, ...]  # the compiler command ($CXX, one word: what cpp_extension runs)
     cflags: tuple[str, ...]
     ldflags: tuple[str, ...]
 
@@ -115,7 +181,7 @@ class Toolchain:
 
 
 GOLD = "-fuse-ld=gold"
-_gold_failed = threading.Event()
+_gold_failed = threading.Event()  # gold could not link here and the default linker could
 
 
 def toolchain() -> Toolchain:
@@ -148,11 +214,29 @@ def _toolchain(gold: bool) -> Toolchain:
     return Toolchain(tuple(shlex.split(os.environ.get("CXX") or "c++")), cflags, ldflags)
 
 
+def _timed_out(what: str, seconds: float, log_path: Path) -> _BuildTimeout:
+    return _BuildTimeout(
+        f"codegen: building {what} timed out after {seconds:g} s and the compiler was "
+        f"stopped; if the build is just slow here, raise the limit with "
+        f"CODEGEN_BUILD_TIMEOUT_S=<seconds> (default {BUILD_TIMEOUT_S:g})\nfull log: {log_path}")
+
+
 def _run(command: list[str], log_path: Path, what: str) -> None:
-    """Runs a compiler command; a failure is a BuildError with its first diagnostic."""
-    result = subprocess.run(command, capture_output=True, text=True)
-    if result.returncode != 0:
-        log = f"$ {shlex.join(command)}\n{result.stdout}{result.stderr}"
+    """Runs a compiler command; a failure is a BuildError with its first diagnostic, and
+    one that runs past ``build_timeout()`` is stopped (its whole process group)."""
+    timeout = build_timeout()
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        log_path.write_text(f"$ {shlex.join(command)}\n{output}\n(stopped after {timeout:g} s)\n")
+        raise _timed_out(what, timeout, log_path) from None
+    if proc.returncode != 0:
+        log = f"$ {shlex.join(command)}\n{output}"
         log_path.write_text(log)
         raise BuildError(f"codegen: building {what} failed: {_first_error(log)}\n"
                          f"full log: {log_path}")
@@ -173,7 +257,8 @@ def _precompiled_runtime(tools: Toolchain) -> Iterator[Path | None]:
     exclusive lock and stamped like an op, so a killed build is rebuilt by the next
     process. Put before the package's include folder, GCC takes the .gch when its flags
     match and silently reads the headers otherwise; None when it cannot be built (then
-    programs build without it, just slower). The flags name the headers' hash
+    programs build without it, just slower; but a compiler that times out is an error:
+    it would hang on the program too). The flags name the headers' hash
     (CODEGEN_RT_ABI); the .gch is renamed into place whole, so the stamp checks its size
     rather than hashing 115 MB on every build.
 
@@ -202,6 +287,8 @@ def _precompiled_runtime(tools: Toolchain) -> Iterator[Path | None]:
                     partial.replace(pch)
                     stamp.write_text(f"{key} {pch.stat().st_size}\n")
                 os.utime(stamp)
+        except _BuildTimeout:
+            raise  # a hung compiler would hang on the program too
         except (BuildError, OSError) as e:
             print(f"codegen: building without a precompiled runtime ({e})", file=sys.stderr)
             users.close()
@@ -211,9 +298,9 @@ def _precompiled_runtime(tools: Toolchain) -> Iterator[Path | None]:
 
 def _share(folder: Path, stack: contextlib.ExitStack) -> None:
     """Holds a shared lock on ``folder/users.lock`` until ``stack`` closes, creating the
-    folder; retried if a pruner removed the folder while we waited for the lock."""
+    folder (private); retried if a pruner removed the folder while we waited for the lock."""
     for _ in range(3):
-        folder.mkdir(parents=True, exist_ok=True)
+        _private(folder)
         lock = folder / "users.lock"
         f = stack.enter_context(open(lock, "a"))
         fcntl.flock(f, fcntl.LOCK_SH)
@@ -256,8 +343,9 @@ def _digest(data: bytes) -> str:
 
 def _key(source: str) -> str:
     """The full cache key of a source text (or of the digest of what determines it):
-    also the torch and CUDA versions, the compiler and every flag."""
-    tag = f"{torch.__version__}|{torch.version.cuda}|{toolchain().tag()}|{include_dir()}"
+    also the torch and CUDA versions, the compiler, every flag and the build path."""
+    tag = (f"{torch.__version__}|{torch.version.cuda}|{toolchain().tag()}|{include_dir()}|"
+           f"{BUILD_PATH}")
     return _digest(f"{tag}\n{source}".encode())
 
 
@@ -271,12 +359,20 @@ class _Entry:
         return self.folder / f"{self.name}.cpp"
 
     @property
+    def object(self) -> Path:
+        return self.folder / f"{self.name}.o"  # cpp_extension's name for it
+
+    @property
     def library(self) -> Path:
-        return self.folder / f"{self.name}.so"
+        return self.folder / f"{self.name}.so"  # cpp_extension's name for it
 
     @property
     def stamp(self) -> Path:
         return self.folder / "ok"
+
+    @property
+    def log(self) -> Path:
+        return self.folder / "build.log"
 
     def valid(self, key: str) -> bool:
         """Built completely from what ``key`` names: the stamp holds the full key and the
@@ -290,7 +386,7 @@ class _Entry:
 
 @contextlib.contextmanager
 def _exclusive(folder: Path) -> Iterator[None]:
-    with open(folder / "codegen.lock", "w") as f:  # cpp_extension uses "lock"
+    with open(folder / "codegen.lock", "w") as f:  # cpp_extension's own is "lock"
         fcntl.flock(f, fcntl.LOCK_EX)
         try:
             yield
@@ -298,13 +394,20 @@ def _exclusive(folder: Path) -> Iterator[None]:
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
+# Lines of a ninja log that are not diagnostics: its progress lines and echoed commands.
+_NOT_DIAGNOSTIC = re.compile(
+    r"^\[\d+/\d+\] |^FAILED: |^ninja: build stopped|Error building extension| -o \S")
+
+
 def _first_error(log: str) -> str:
-    """The compiler's first diagnostic (``file:line:col: error: ...``), else a line
-    that says error, else the last line."""
-    lines = log.splitlines()
-    for pattern in (r":\d+:\d+: (fatal )?error:", r"\berror\b"):
+    """The compiler's first diagnostic (``file:line:col: error: ...``), else the linker's
+    (``ld: cannot find ...``, not collect2's summary), else a tool's (``c++: error: ...``),
+    else a line that says error, else the last line."""
+    lines = [line for line in log.splitlines() if not _NOT_DIAGNOSTIC.search(line)]
+    for pattern in (r":\d+:\d+: (fatal )?error:", r"^\S*\bld(\.gold)?: ",
+                    r"^\S+: (fatal )?error:", r"\berror\b"):
         for line in lines:
-            if re.search(pattern, line, re.IGNORECASE) and "Error building extension" not in line:
+            if re.search(pattern, line, re.IGNORECASE):
                 return line.strip()
     return lines[-1].strip() if lines else "(no compiler output)"
 
@@ -320,16 +423,168 @@ def _full_torch(tools: Toolchain) -> Toolchain:
     return dataclasses.replace(tools, cflags=(*cflags, api))
 
 
-def _tools(full_torch: bool) -> Toolchain:
-    return _full_torch(toolchain()) if full_torch else toolchain()
+def _tools(full_torch: bool, gold: bool | None = None) -> Toolchain:
+    tools = toolchain() if gold is None else _toolchain(gold)
+    return _full_torch(tools) if full_torch else tools
+
+
+# ---------------------------------------------------------------------------- cpp_extension
+
+
+@functools.cache
+def _cpp_extension() -> ModuleType:
+    """``torch.utils.cpp_extension``, imported on the first build (0.1 s; a cached op
+    loads without it). Its import warns that it found no CUDA runtime and names a
+    CUDA_HOME; codegen builds with_cuda=False and uses neither, so that warning is
+    silenced."""
+    logger = logging.getLogger("torch.utils.cpp_extension")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        from torch.utils import cpp_extension
+    finally:
+        logger.setLevel(level)
+    return cpp_extension
+
+
+def _ninja_on_path() -> None:
+    """cpp_extension runs ``ninja`` from PATH. Where PATH has none but this Python's
+    environment does (the ninja wheel, a dependency of codegen, in a virtual environment
+    that is not activated), that folder is appended to PATH, once; else a BuildError."""
+    if shutil.which("ninja"):
+        return
+    scripts = sysconfig.get_path("scripts")
+    with _lock:
+        if scripts and shutil.which("ninja", path=scripts):
+            os.environ["PATH"] = os.pathsep.join(
+                p for p in (os.environ.get("PATH"), scripts) if p)
+            return
+    raise BuildError("codegen: ninja not found on PATH (torch.utils.cpp_extension builds "
+                     "with it); `pip install ninja` and put its folder on PATH")
+
+
+def _process_children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (from /proc)."""
+    children = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                children.append(int(stat.parent.name))
+    return children
+
+
+def _kill_tree(pid: int) -> None:
+    """SIGKILLs ``pid`` and every process under it. Each is stopped before its children
+    are listed, so none starts another in between, and none is orphaned (an orphan would
+    no longer be found under ``pid``)."""
+    tree, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            os.kill(p, signal.SIGSTOP)
+        except ProcessLookupError:
+            continue
+        tree.append(p)
+        todo += [c for c in _process_children(p) if c not in tree]
+    for p in tree:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(p, signal.SIGKILL)
+
+
+class _Watchdog:
+    """Kills the ninja that cpp_extension runs in ``folder`` (a child of this process,
+    working in that folder) and everything under it once ``seconds`` have passed
+    (``fired``), until the ``with`` block ends. Other threads' builds run in other
+    folders and are left alone."""
+
+    def __init__(self, folder: Path, seconds: float) -> None:
+        self.folder = os.path.realpath(folder)
+        self.seconds = seconds
+        self.fired = False
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True,
+                                        name=f"codegen build watchdog {folder.name}")
+
+    def __enter__(self) -> _Watchdog:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._done.set()
+        self._thread.join()
+
+    def _watch(self) -> None:
+        if self._done.wait(self.seconds):
+            return
+        self.fired = True
+        while True:
+            for pid in _process_children(os.getpid()):
+                with contextlib.suppress(OSError):
+                    if os.readlink(f"/proc/{pid}/cwd") == self.folder:
+                        _kill_tree(pid)
+            if self._done.wait(0.1):
+                return
+
+
+def _forget_version(name: str) -> None:
+    """cpp_extension numbers a name's builds within a process (a second build of ``name``
+    with other sources or flags is ``name_v1.so``, one with the same ones is skipped).
+    codegen's cache decides when to build; cpp_extension is told to build ``name.so``."""
+    versioner = getattr(_cpp_extension(), "JIT_EXTENSION_VERSIONER", None)
+    entries = getattr(versioner, "entries", None)
+    if isinstance(entries, dict):
+        entries.pop(name, None)
+
+
+def _cpp_extension_build(entry: _Entry, tools: Toolchain, includes: list[str]) -> None:
+    """Builds ``entry.library`` from ``entry.source`` with cpp_extension.load and ninja in
+    the entry's folder, and loads it (``load`` does, through ``torch.ops.load_library``).
+    A failure is a BuildError with the first diagnostic (a ``_LinkError`` where the object
+    compiled), one past ``build_timeout()`` a ``_BuildTimeout``. Caller holds the locks."""
+    if len(tools.cxx) != 1:
+        raise BuildError(f"codegen: CXX={shlex.join(tools.cxx)!r}: torch.utils.cpp_extension "
+                         "runs $CXX as one command; name the compiler alone (cpp_extension "
+                         "puts ccache or sccache in front of it itself, where it finds them)")
+    _ninja_on_path()
+    cpp_extension = _cpp_extension()
+    _forget_version(entry.name)
+    # cpp_extension's own lock file: in torch before filelock (2.11's FileBaton) its mere
+    # presence blocks, and one left by a killed build would block forever. Ours is held.
+    (entry.folder / "lock").unlink(missing_ok=True)
+    timeout = build_timeout()
+    with _Watchdog(entry.folder, timeout) as watchdog:
+        try:
+            cpp_extension.load(
+                entry.name, [str(entry.source)],
+                extra_cflags=[*tools.cflags, *includes],
+                extra_ldflags=[f for f in tools.ldflags if f != "-shared"],  # it adds -shared
+                build_directory=str(entry.folder), is_python_module=False, with_cuda=False)
+            built = None
+        except RuntimeError as e:  # ninja's failure ("Error building extension ...")
+            if not str(e).startswith("Error building extension"):
+                raise BuildError(f"codegen: building {entry.name} failed: {e}") from None
+            built = e
+    if built is None:
+        if not entry.library.is_file():
+            raise BuildError(f"codegen: building {entry.name}: cpp_extension reported "
+                             f"success but made no {entry.library}")
+        return
+    log = str(built)
+    if watchdog.fired:
+        entry.log.write_text(f"{log}\n(stopped after {timeout:g} s)\n")
+        raise _timed_out(entry.name, timeout, entry.log)
+    entry.log.write_text(log)
+    error = _LinkError if entry.object.is_file() else BuildError
+    raise error(f"codegen: building {entry.name} failed: {_first_error(log)}\n"
+                f"full log: {entry.log}")
 
 
 def _compile(entry: _Entry, source: str, key: str, full_torch: bool = False) -> float:
-    """Builds ``entry`` from ``source`` in one compiler run; returns seconds. Caller holds
-    the lock."""
+    """Builds ``entry`` from ``source`` and loads it; returns seconds. Caller holds the
+    locks."""
     # A builder killed mid-way (SIGKILL, power loss) leaves no stamp and maybe a partial
-    # library. We hold the entry's flock, so nobody else is building here: it is stale.
-    for stale in (entry.stamp, entry.library):
+    # object or library. We hold the entry's flock, so nobody else is building here: stale.
+    for stale in (entry.stamp, entry.library, entry.object, entry.log):
         stale.unlink(missing_ok=True)
     start = time.perf_counter()
     tools = _tools(full_torch)
@@ -339,21 +594,35 @@ def _compile(entry: _Entry, source: str, key: str, full_torch: bool = False) -> 
             _prune_precompiled(keep=pch)
         entry.source.write_text(source)
         includes = [*([f"-I{pch}", "-Winvalid-pch"] if pch else []), f"-I{include_dir()}"]
-        partial = entry.library.with_suffix(".so.partial")
-        command = [*tools.cxx, *tools.cflags, *includes, str(entry.source), "-o", str(partial)]
         try:
-            _run([*command, *tools.ldflags], entry.folder / "build.log", entry.name)
-        except BuildError:
+            _cpp_extension_build(entry, tools, includes)
+        except _LinkError as gold_error:
             if GOLD not in tools.ldflags:
                 raise
             # gold is faster but cannot read some toolchains' libstdc++ linker scripts
-            # (seen with a GCC in /opt/gcc): link with the default linker from now on.
+            # (seen with a GCC in /opt/gcc). Link again with the default linker (ninja
+            # keeps the object); where that works, gold was the trouble: off from now on.
+            _cpp_extension_build(entry, _tools(full_torch, gold=False), includes)
             _gold_failed.set()
-            tools = _tools(full_torch)
-            _run([*command, *tools.ldflags], entry.folder / "build.log", entry.name)
-    partial.replace(entry.library)
+            print(f"codegen: gold could not link here, the default linker could; linking "
+                  f"with it from now on ({str(gold_error).splitlines()[0]})",
+                  file=sys.stderr)
     entry.stamp.write_text(f"{key} {_digest(entry.library.read_bytes())}\n")
     return time.perf_counter() - start
+
+
+def _check_loaded(name: str, key: str) -> Path | None:
+    """The library of ``name`` if this process loaded it (for ``key``). Caller holds
+    ``_lock``."""
+    if name not in _loaded:
+        return None
+    loaded_key, library = _loaded[name]
+    if loaded_key != key:
+        raise BuildError(
+            f"codegen: op name {name} is already loaded in this process for another "
+            "program (a hash-prefix collision, or a source changed under one name); "
+            "rename the Fusion, or start a new process")
+    return library
 
 
 def build_library(name: str, source: str | Callable[[], str], key: str | None = None, *,
@@ -361,25 +630,28 @@ def build_library(name: str, source: str | Callable[[], str], key: str | None = 
     """The path of a loaded library for ``source``: from the cache, or built now.
     ``source`` may be a function, called only to build; then ``key`` must name
     everything the source depends on. ``full_torch``: built against libtorch's own C++
-    headers (``_full_torch``), not only the stable ABI."""
+    headers (``_full_torch``), not only the stable ABI. Threads building different
+    names build at once; one name is built or loaded by one thread at a time."""
     if key is None:
         if callable(source):
             raise TypeError("build_library: a lazy source needs a key")
         key = source
     full_key = _key(f"full torch\n{key}" if full_torch else key)
     with _lock:
-        if name in _loaded:
-            loaded_key, library = _loaded[name]
-            if loaded_key != full_key:
-                raise BuildError(
-                    f"codegen: op name {name} is already loaded in this process for another "
-                    "program (a hash-prefix collision, or a source changed under one name); "
-                    "rename the Fusion, or start a new process")
+        library = _check_loaded(name, full_key)
+        if library is not None:
+            return library
+        name_lock = _name_locks.setdefault(name, threading.Lock())
+    with name_lock:
+        with _lock:  # another thread may have loaded it while we waited
+            library = _check_loaded(name, full_key)
+        if library is not None:
             return library
         root = cache_root()
         entry = _Entry(root / f"{name}-{full_key[:16]}", name)
         try:
-            entry.folder.mkdir(parents=True, exist_ok=True)
+            _private(root, parents=True)
+            _private(entry.folder)
         except OSError as e:
             raise BuildError(f"codegen: cannot create the build cache {entry.folder} ({e}); "
                              "set CODEGEN_CACHE_DIR to a writable folder") from None
@@ -387,16 +659,19 @@ def build_library(name: str, source: str | Callable[[], str], key: str | None = 
             raise BuildError(f"codegen: the build cache {entry.folder} is not writable; "
                              "set CODEGEN_CACHE_DIR to a writable folder")
         rebuild = os.environ.get("CODEGEN_REBUILD", "") not in ("", "0")
+        # Loaded under the lock, once: a concurrent CODEGEN_REBUILD cannot swap the
+        # library between the stamp check and dlopen. A build loads what it built
+        # (cpp_extension.load does).
         with _exclusive(entry.folder):
             if rebuild or not entry.valid(full_key):
                 seconds = _compile(entry, source() if callable(source) else source, full_key,
                                    full_torch)
                 print(f"codegen: built {name} in {seconds:.1f} s ({entry.folder})",
                       file=sys.stderr, flush=True)
-            # Loaded under the lock: a concurrent CODEGEN_REBUILD cannot swap the library
-            # between the stamp check and dlopen.
-            torch.ops.load_library(str(entry.library))
-        _loaded[name] = (full_key, entry.library)
+            else:
+                torch.ops.load_library(str(entry.library))
+        with _lock:
+            _loaded[name] = (full_key, entry.library)
         return entry.library
 
 

@@ -85,7 +85,10 @@ def test_a_linker_that_fails_falls_back_to_the_default_one(tmp_path, monkeypatch
 
     monkeypatch.setenv("CODEGEN_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(build, "GOLD", "-fuse-ld=no-such-linker")
-    monkeypatch.setattr(build.shutil, "which", lambda name: "/usr/bin/" + name)
+    which = build.shutil.which  # "ld.gold is there"; cpp_extension looks for others
+    monkeypatch.setattr(build.shutil, "which",
+                        lambda name, **kw: "/usr/bin/ld.gold" if name == "ld.gold"
+                        else which(name, **kw))
     monkeypatch.setattr(build, "_gold_failed", build.threading.Event())
     build._toolchain.cache_clear()
     try:
