@@ -9,6 +9,7 @@
 //   collective.h all-gather and reduce-scatter of a slice through torch.distributed
 //   host.h       host-resident inputs and outputs: checks, pinned outputs, keep-alive
 //   copy.h       host <-> GPU copies of strided slices, staging slots
+//   pointwise.h  elementwise kernels, compiled by NVRTC at run time
 //   nvtx.h       NVTX ranges named for host-IR lines
 #pragma once
 
@@ -22,5 +23,6 @@
 #include "codegen/host.h"
 #include "codegen/math_mode.h"
 #include "codegen/nvtx.h"
+#include "codegen/pointwise.h"
 #include "codegen/stream.h"
 #include "codegen/tensor.h"
