@@ -1,9 +1,9 @@
 """``copy_stream=True`` (hostir.queue_copies_in): host-to-device copies of host inputs read
 in slices go on one copy stream, in slice order, each waiting for the event its slot's
 last reader recorded, and each slice's GEMM waits for its copy; the copy stream is forked
-once and joined once, so across loops it runs ahead (hostir.hoist_staging). Structure, order (codegen.races), values (the
-evaluator, exact on the CPU) and the C++; the GPU tests are in test_copy_gpu.py (its
-graph-capture test runs with a copy stream too)."""
+once and joined once, so across loops it runs ahead (hostir.hoist_staging). Structure,
+order (codegen.races), values (the evaluator, exact on the CPU) and the C++; the GPU tests
+are in test_copy_gpu.py (its graph-capture test runs with a copy stream too)."""
 
 import dataclasses
 
