@@ -22,6 +22,7 @@ from .ir import (
     matmul,
     mul,
     output,
+    relu,
     silu,
 )
 from .lowering import lower, schedule
@@ -51,6 +52,7 @@ __all__ = [
     "matmul",
     "mul",
     "output",
+    "relu",
     "schedule",
     "silu",
 ]

@@ -654,6 +654,11 @@ def gelu(t: TensorView, approximate: str = "none") -> TensorView:
     return _define(ops_.GELU, {"approximate": approximate}, x=t)
 
 
+def relu(t: TensorView) -> TensorView:
+    """``max(x, 0)``, elementwise (NaN stays NaN, as torch.relu)."""
+    return _define(ops_.RELU, x=t)
+
+
 def add(a: TensorView, b: TensorView) -> TensorView:
     """``a + b``, elementwise; ``b`` has a's shape or is broadcast along a's leading axes
     (a bias ``[n]`` against ``[m, n]``)."""

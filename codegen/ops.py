@@ -295,6 +295,8 @@ GELU = unary(
     attrs=("approximate",), check=_gelu_check,
     # cuBLASLt's GELU epilogue is the tanh form: the erf form has none.
     epilogue=lambda a: "GeluTanh" if a["approximate"] == "tanh" else None)
+RELU = unary("relu", "Relu", torch.relu, lambda x, a: f"relu({x[0]})",
+             epilogue=lambda a: "Relu")
 CAST = unary("cast", "Cast", lambda x, dtype: x, lambda x, a: x[0], attrs=("dtype",),
              check=_cast_check, dtype=lambda tensors, a: a["dtype"])
 ADD = binary("add", "Add", torch.add, lambda x, a: f"({x[0]} + {x[1]})")

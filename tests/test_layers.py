@@ -334,3 +334,28 @@ def test_evaluator_refuses_wrong_shapes_naming_the_argument():
     xs[2] = xs[2][:, :5]
     with pytest.raises(ValueError, match="llama_mlp: argument w_up axis 1 must have size h"):
         cg.evaluate(program, xs)
+
+
+@pytest.mark.parametrize("split", [None, 0, 1])
+def test_relu_exact_fused_into_a_kernel_and_an_epilogue(split):
+    """relu alone, in a pointwise kernel (after an add) and in a GEMM's epilogue."""
+    with cg.Fusion("relus") as fusion:
+        x, w, b = cg.input(["m", "k"]), cg.input(["n", "k"]), cg.input(["n"])
+        gemm = cg.relu(cg.linear(x, w, b))
+        chain = cg.relu(cg.add(gemm, b))
+        cg.output(gemm)
+        cg.output(chain)
+    if split is not None:
+        _split(gemm, split)
+    program = cg.lower(fusion)
+    computes = [str(n) for n in program.nodes() if isinstance(n, hir.Compute)]
+    suffix = "_i" if split is not None else ""
+    b_ = "T2_i" if split == 1 else "T2"
+    assert computes == [f"Relu(Linear({'T0_i' if split == 0 else 'T0'}, "
+                        f"{'T1_i' if split == 1 else 'T1'}, {b_}), out=T4{suffix})",
+                        f"Relu(Add(T4{suffix}, {b_}), out=T6{suffix})"]
+    xs = [ints(7, 3), ints(5, 3), ints(5)]
+    outs = cg.evaluate(program, xs)
+    expect = torch.relu(F.linear(*xs))
+    assert torch.equal(outs[0], expect) and torch.equal(outs[1], torch.relu(expect + xs[2]))
+    assert "rt::Epilogue::Relu" in cg.render(program)

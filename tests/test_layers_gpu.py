@@ -65,6 +65,7 @@ ELEMENTWISE = {
     "gelu": (lambda a, b, c: cg.gelu(a), lambda a, b, c: F.gelu(a), False),
     "gelu_tanh": (lambda a, b, c: cg.gelu(a, approximate="tanh"),
                   lambda a, b, c: F.gelu(a, approximate="tanh"), False),
+    "relu": (lambda a, b, c: cg.relu(a), lambda a, b, c: torch.relu(a), True),
     "add": (lambda a, b, c: cg.add(a, b), lambda a, b, c: a + b, True),
     "mul": (lambda a, b, c: cg.mul(a, b), lambda a, b, c: a * b, True),
     "add_bias": (lambda a, b, c: cg.add(a, c), lambda a, b, c: a + c, True),
