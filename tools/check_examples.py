@@ -1,4 +1,5 @@
-"""Runs every bundled example once on the GPU against torch; exit status 1 on a mismatch.
+"""Runs every bundled example once on the GPU against the evaluator on the CPU (exactly,
+where integer inputs give exact results); exit status 1 on a mismatch.
 Small enough to run under `compute-sanitizer --tool memcheck`."""
 
 import sys
@@ -16,7 +17,10 @@ for name, ex in EXAMPLES.items():
     xs = [torch.randint(-2, 3, s, device=d).to(dtype) for s, d in zip(ex.shapes, ex.devices())]
     out = cg.compile(fusion)(*xs)
     ref = cg.evaluate(cg.lower(fusion), [x.cpu() for x in xs])[0].double()
-    good = torch.equal(out.double().cpu(), ref)
+    if ex.exact:
+        good = torch.equal(out.double().cpu(), ref)
+    else:  # SiLU and GELU: the GPU's and the CPU's exp and erf differ in the last bits
+        good = ((out.double().cpu() - ref).norm() / ref.norm().clamp_min(1e-30)).item() < 2e-2
     print(f"{name:28} {'ok' if good else 'MISMATCH'}")
     if not good:
         failed.append(name)
