@@ -278,7 +278,7 @@ class Interpreter(distributed.CommunicationEvaluator):
 
     def StagingSlot(self, n: hir.StagingSlot) -> None:
         like = self.values[n.like]
-        slot = self.values[n.stage][n.slot.position(self.indices)]
+        slot = self.values[n.stage][n.slot.slot(self.indices)]
         self.values[n.out] = slot.view(-1)[: like.numel()].view(like.shape)
 
     def Copy(self, n: hir.Copy) -> None:

@@ -25,20 +25,31 @@ MAIN_STREAM = "main_stream"
 
 @dataclasses.dataclass(frozen=True)
 class Stream:
-    """A worker stream from PyTorch's pool: ``Stream(i % pool)`` or ``Stream(i)``."""
+    """A worker stream of the thread's lease: ``Stream(i % pool)`` or ``Stream(i)``, or
+    of the lease's second set of workers, ``Stream(4 + i % 4)`` (``base`` = the pool:
+    a loop whose copies run ahead under the loop before it, see ``assign_streams``)."""
 
     index: str
     pool: int | None = None
+    base: int = 0
 
     def __str__(self) -> str:
         return f"Stream({self.position_str()})"
 
     def position_str(self) -> str:
-        """``i % 4`` or ``i``: which stream of the pool (and which staging slot)."""
+        """``i % 4``, ``i`` or ``4 + i % 4``: which stream of the lease."""
+        k = f"{self.index} % {self.pool}" if self.pool else self.index
+        return f"{self.base} + {k}" if self.base else k
+
+    def slot_str(self) -> str:
+        """``i % 4`` or ``i``: which staging slot of the loop's stage (the base apart)."""
         return f"{self.index} % {self.pool}" if self.pool else self.index
 
     def position(self, env: Mapping[str, int]) -> int:
-        """The stream's position in the pool for the loop index in ``env``."""
+        """The stream's position in the lease for the loop index in ``env``."""
+        return self.base + self.slot(env)
+
+    def slot(self, env: Mapping[str, int]) -> int:
         k = env[self.index]
         return k % self.pool if self.pool else k
 
@@ -379,7 +390,7 @@ class StagingSlot(Node):
         return [self.out]
 
     def __str__(self) -> str:
-        return (f"{self.out} = StagingSlot({self.stage}, slot={self.slot.position_str()}, "
+        return (f"{self.out} = StagingSlot({self.stage}, slot={self.slot.slot_str()}, "
                 f"like={self.like})")
 
 
@@ -580,7 +591,7 @@ def _verify_residency(program: HostProgram) -> None:
                 in_loops.add(id(n))
                 if loop.parallel is not ParallelType.Stream or n.slot.index != loop.index:
                     raise InternalError(f"{n}: not indexed by a stream loop\n{program}")
-                if streams and streams[0] != n.slot:
+                if streams and dataclasses.replace(streams[0], base=0) != n.slot:
                     raise InternalError(f"{n}: slot differs from the loop's stream "
                                         f"{streams[0]}\n{program}")
     stray = [n for n in program.nodes() if isinstance(n, StagingSlot) and id(n) not in in_loops]
@@ -633,16 +644,86 @@ def assign_streams(program: HostProgram) -> HostProgram:
     After:   for i in range(0, 8) [Stream]:  SetCurrentStream(Stream(i % 4)); Matmul(...)
     (``Stream(i)`` when the loop never has more iterations than the pool; a loop that
     would use one stream keeps the caller's, ``on_caller_stream``.)
+    Without a copy stream, a loop that copies host slices in right after another stream
+    loop takes the lease's second set of workers, ``Stream(4 + i % 4)``, so that its
+    copies can run under the loop before it (``run_copies_ahead``).
     """
     pool = program.pool_size
+    previous_base: int | None = None  # the set of the last stream loop on workers
 
     def assign(loop: ForLoop) -> list[Node]:
+        nonlocal previous_base
         if on_caller_stream(loop, pool):
+            previous_base = None
             return [loop]
-        body = [SetCurrentStream(worker_stream(loop, pool)), *loop.body]
+        ahead = not program.copy_stream and previous_base == 0 and bool(_copies_in(loop.body))
+        worker = dataclasses.replace(worker_stream(loop, pool), base=pool if ahead else 0)
+        previous_base = worker.base
+        body = [SetCurrentStream(worker), *loop.body]
         return [dataclasses.replace(loop, body=body)]
 
     return _map_stream_loops(program, assign)
+
+
+def _loop_worker(loop: ForLoop) -> Stream | None:
+    first = loop.body[0] if loop.body else None
+    if isinstance(first, SetCurrentStream) and isinstance(first.stream, Stream):
+        return first.stream
+    return None
+
+
+def _runs_ahead(n: Node) -> bool:
+    """A stream loop on the lease's second set of workers (``assign_streams``)."""
+    worker = _loop_worker(n) if isinstance(n, ForLoop) else None
+    return worker is not None and worker.base > 0
+
+
+def run_copies_ahead(program: HostProgram) -> HostProgram:
+    """Lets a loop on the second set of workers copy its host slices in while the loop
+    before it still runs: its copies go first in each iteration, and only then does the
+    worker wait for the caller's stream (which has joined the loop before); its staging
+    is allocated before the loop before, and its fork comes before that loop's fork
+    (``insert_fork_join``), so nothing orders its first copies after the loop before.
+
+    Before:  for i ... [Stream]: (loop 1)
+             ...; T3_stage = Allocate(...)
+             for i ... [Stream]: SetCurrentStream(Stream(4 + i % 4))
+               T3_i = ShardByStream(...); T3_s = StagingSlot(...); Copy(T3_i, out=T3_s)
+               Linear(T2, T3_s, out=T4_i)
+    After:   T3_stage = Allocate(...); for i ... [Stream]: (loop 1)
+             ...
+             for i ... [Stream]: SetCurrentStream(Stream(4 + i % 4))
+               T3_i = ...; T3_s = ...; Copy(T3_i, out=T3_s)
+               Synchronize(main_stream)
+               Linear(T2, T3_s, out=T4_i)
+    Waiting for the caller's stream in every iteration (not once per worker) costs an
+    event wait per slice and keeps the loop body free of conditions; the runtime
+    records the caller's event once.
+    """
+    if not any(_runs_ahead(n) for n in program.body):
+        return program
+    body: list[Node] = []
+    hoist: dict[int, list[Node]] = {}  # position of a loop -> allocations to put before it
+    last_loop: int | None = None
+    for n in program.body:
+        if isinstance(n, ForLoop) and n.parallel is ParallelType.Stream:
+            if _runs_ahead(n) and last_loop is not None:
+                own = {sl.stage for sl in n.body if isinstance(sl, StagingSlot)}
+                moved = [a for a in body[last_loop + 1:]
+                         if isinstance(a, Allocate) and a.out.name in own]
+                body = [a for a in body if not any(a is m for m in moved)]
+                hoist.setdefault(last_loop, []).extend(moved)
+                copies = _copies_in(n.body)
+                rest = [c for c in n.body[1:] if not any(c is m for m in copies)]
+                n = dataclasses.replace(n, body=[n.body[0], *copies,
+                                                 Synchronize(MAIN_STREAM), *rest])
+            last_loop = len(body)
+        body.append(n)
+    out: list[Node] = [GetCurrentStream(MAIN_STREAM)]  # the stream the loop waits for
+    for k, n in enumerate(body):
+        out += hoist.get(k, [])
+        out.append(n)
+    return program.replace(body=out)
 
 
 def insert_fork_join(program: HostProgram) -> HostProgram:
@@ -664,6 +745,16 @@ def insert_fork_join(program: HostProgram) -> HostProgram:
     pool = program.pool_size
     used = False
     copy_loops = [program.body[k] for k in _copy_stream_loops(program)]
+    loops = [n for n in program.body if isinstance(n, ForLoop)
+             and n.parallel is ParallelType.Stream and not on_caller_stream(n, pool)]
+
+    def workers(loop: ForLoop) -> Stream:
+        worker = _loop_worker(loop)
+        return Stream("j", None, worker.base if worker else 0)
+
+    def fork(loop: ForLoop) -> list[Node]:
+        return [ForLoop("j", Const(0), stream_count(loop, pool),
+                        [SetCurrentStream(workers(loop)), Synchronize(MAIN_STREAM)])]
 
     def fork_join(loop: ForLoop) -> list[Node]:
         nonlocal used
@@ -671,17 +762,19 @@ def insert_fork_join(program: HostProgram) -> HostProgram:
             return [loop]
         used = True
         n_streams = stream_count(loop, pool)
-        fork: list[Node] = [ForLoop("j", Const(0), n_streams,
-                                    [SetCurrentStream(Stream("j")), Synchronize(MAIN_STREAM)])]
-        join: list[Node] = [ForLoop("j", Const(0), n_streams, [Synchronize(Stream("j"))])]
+        forks: list[Node] = [] if _runs_ahead(loop) else fork(loop)
+        after = loops[loops.index(loop) + 1] if loop is not loops[-1] else None
+        if after is not None and _runs_ahead(after):
+            forks = fork(after) + forks  # before this loop: its copies run under this one
+        join: list[Node] = [ForLoop("j", Const(0), n_streams, [Synchronize(workers(loop))])]
         if copy_loops and loop is copy_loops[0]:
-            fork += [SetCurrentStream(CopyStream(pool)), Synchronize(MAIN_STREAM)]
+            forks += [SetCurrentStream(CopyStream(pool)), Synchronize(MAIN_STREAM)]
         if copy_loops and loop is copy_loops[-1]:
             join.append(Synchronize(CopyStream(pool)))
-        return [*fork, loop, SetCurrentStream(MAIN_STREAM), *join]
+        return [*forks, loop, SetCurrentStream(MAIN_STREAM), *join]
 
     out = _map_stream_loops(program, fork_join)
-    if used:
+    if used and not any(isinstance(n, GetCurrentStream) for n in out.body):
         out = out.replace(body=[GetCurrentStream(MAIN_STREAM), *out.body])
     return out
 
@@ -1188,6 +1281,7 @@ HOSTIR_PASSES: tuple[HostPass, ...] = (
     assign_streams,
     queue_copies_in,
     hoist_staging,
+    run_copies_ahead,
     insert_fork_join,
     synchronize_host_outputs,
 )

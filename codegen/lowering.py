@@ -18,8 +18,9 @@ from .ir import Fusion
 # own pool has per priority. Each thread that calls an op leases worker streams, each with
 # an event and, from its first cuBLASLt GEMM, a workspace (32 MiB by default), which are
 # kept for the process: a lease goes back to a pool when its thread exits and a later
-# thread reuses it. The copy stream is the lease's stream after the pool's, so a lease
-# holds at most MAX_POOL_SIZE + 1 streams. The runtime enforces the same bound
+# thread reuses it. The copy stream is the lease's stream after the pool's, and a loop
+# whose copies run ahead uses a second set of pool_size workers after them, so a lease
+# holds at most 2 * MAX_POOL_SIZE streams. The runtime enforces the same bound
 # (``kMaxWorkers`` in codegen/include/codegen/stream.h; a test keeps the two equal).
 MAX_POOL_SIZE = 32
 

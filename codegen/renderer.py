@@ -387,7 +387,7 @@ class _Statements:
 
     def StagingSlot(self, n: hir.StagingSlot) -> dict[str, Any]:
         return {"out": self.names(n.out), "stage": self.names(n.stage),
-                "slot": n.slot.position_str(), "like": self.names(n.like)}
+                "slot": n.slot.slot_str(), "like": self.names(n.like)}
 
     def Copy(self, n: hir.Copy) -> dict[str, Any]:
         route = (self.devices[n.src], self.devices[n.out])

@@ -194,8 +194,8 @@ def test_canonical_text_of_values():
              "d": cg.ParallelType.Stream, "e": hir.Stream("i", 4), "f": ()}
     assert digest.canonical(value) == (
         '{"b": [1, 2.0, None, True], "a": ("x\\"y",), "c": torch.bfloat16, '
-        '"d": codegen.ir.ParallelType.Stream, "e": codegen.hostir.Stream(index="i", pool=4), '
-        '"f": ()}')
+        '"d": codegen.ir.ParallelType.Stream, '
+        '"e": codegen.hostir.Stream(index="i", pool=4, base=0), "f": ()}')
 
 
 def test_canonical_text_of_extents():

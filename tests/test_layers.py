@@ -2,6 +2,8 @@
 intermediates freed at Deallocate; the Llama and GPT MLP examples. CPU only: structure,
 exact text, the evaluator against torch, the stream-order checker, bad input."""
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -359,3 +361,49 @@ def test_relu_exact_fused_into_a_kernel_and_an_epilogue(split):
     expect = torch.relu(F.linear(*xs))
     assert torch.equal(outs[0], expect) and torch.equal(outs[1], torch.relu(expect + xs[2]))
     assert "rt::Epilogue::Relu" in cg.render(program)
+
+
+# ---------------------------------------------------------------------------- copies ahead
+
+
+def _loops(program):
+    return [n for n in program.body if isinstance(n, hir.ForLoop)
+            and n.parallel is cg.ParallelType.Stream]
+
+
+def test_second_loop_copies_run_ahead_on_a_second_set_of_workers():
+    """Without a copy stream, the down loop of a host-weight MLP runs on the lease's
+    second set of workers: forked before the gate/up loop, its first copies queued before
+    it waits for the caller's stream (which joined the gate/up loop), its staging
+    allocated before both forks."""
+    program = cg.lower(examples.llama_mlp(torch.float32, 8, "cpu"))
+    first, second = _loops(program)
+    assert str(first.body[0]) == "SetCurrentStream(Stream(i % 4))"
+    assert [str(n) for n in second.body[:5]] == [
+        "SetCurrentStream(Stream(4 + i % 4))",
+        "w_down_i = ShardByStream(w_down, axis=0, index=i, chunk=ceilDiv(h, 8))",
+        "w_down_s = StagingSlot(w_down_stage, slot=i % 4, like=w_down_i)",
+        "Copy(w_down_i, out=w_down_s)", "Synchronize(main_stream)"]
+    text = str(program)
+    assert text.index("w_down_stage = Allocate") < text.index("SetCurrentStream(Stream(4 + j))") \
+        < text.index("SetCurrentStream(Stream(j))") < text.index("for i in range(0, 8)")
+    xs = _inputs("llama_mlp", torch.float32)
+    races.check(program, xs)
+    # Without the wait, down would read the intermediate before the first loop wrote it.
+    broken = program.replace(body=[dataclasses.replace(n, body=[
+        c for c in n.body if not (isinstance(c, hir.Synchronize) and c.stream == "main_stream")])
+        if n is second else n for n in program.body])
+    kinds = {(r.kind, r.tensor) for r in races.find_races(broken, xs)}
+    assert ("read before write", "T7") in kinds, kinds
+
+
+@pytest.mark.parametrize("copy_stream", [False, True])
+def test_gpu_resident_programs_keep_one_set_of_workers(copy_stream):
+    for make in (examples.llama_mlp, examples.gpt_mlp):
+        text = str(cg.lower(make(torch.float32, 8), copy_stream=copy_stream))
+        assert "Stream(4 +" not in text
+
+
+def test_with_a_copy_stream_the_second_loop_keeps_the_first_set():
+    text = str(cg.lower(examples.llama_mlp(torch.float32, 8, "cpu"), copy_stream=True))
+    assert "Stream(4 +" not in text and text.count("SetCurrentStream(CopyStream)") == 3

@@ -81,11 +81,11 @@ def test_runtime_limit_is_the_compiled_constant(harness):
     assert harness.rtcheck_max_workers() == MAX_POOL_SIZE
 
 
-@pytest.mark.parametrize("k", [MAX_POOL_SIZE + 1, 10**6, -1])
-def test_lease_refuses_streams_past_the_pool_and_copy_stream(harness, k):
+@pytest.mark.parametrize("k", [2 * MAX_POOL_SIZE, 10**6, -1])
+def test_lease_refuses_streams_past_its_two_sets_of_workers(harness, k):
     out = ctypes.create_string_buffer(512)
     assert harness.rtcheck_worker_refused(k, out, len(out)) == 1
     assert out.value.decode() == (
         f"codegen: worker stream {k} is out of range: a lease holds streams 0 to "
-        f"{MAX_POOL_SIZE} ({MAX_POOL_SIZE} workers and the copy stream; lower() refuses "
-        f"pool_size > {MAX_POOL_SIZE})")
+        f"{2 * MAX_POOL_SIZE - 1} ({MAX_POOL_SIZE} workers and a second set, or the copy "
+        f"stream; lower() refuses pool_size > {MAX_POOL_SIZE})")

@@ -11,7 +11,7 @@ nvidia-smi --query-gpu=name,driver_version,power.limit --format=csv,noheader
 timeout ${TEST_S:-330} python3 -X faulthandler -m pytest -m gpu -q -p no:cacheprovider \
   --tb=short -rfEs "$@" > $OUT/gpu.log 2>&1; echo "pytest exit $?"
 grep -E "^(FAILED|ERROR)|passed|failed" $OUT/gpu.log | tail -40
-timeout ${LAYERS_S:-100} python3 benchmarks/bench_layers.py --out $OUT 2>&1 | tee $OUT/layers.log | tail -12
+timeout ${LAYERS_S:-100} python3 benchmarks/bench_layers.py --out $OUT $LAYERS_ARGS 2>&1 | tee $OUT/layers.log | tail -12
 timeout ${OFFLOAD_S:-150} python3 benchmarks/mlp_offload.py --out $OUT 2>&1 | tee $OUT/mlp_offload.log | tail -32
 case " $BENCH " in *" copy "*)
   timeout ${COPY_S:-150} python3 benchmarks/bench_copy.py --rounds ${COPY_ROUNDS:-9} --out $OUT 2>&1 | tee $OUT/copy.log | tail -22;;

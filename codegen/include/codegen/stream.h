@@ -8,9 +8,10 @@
 // at once, and nothing is created per call. (PyTorch's own pool hands out its 32
 // streams round-robin, so a ninth thread would share the first thread's streams.)
 //
-// What a lease holds at most: kMaxWorkers + 1 streams (positions 0 .. kMaxWorkers - 1
-// are the workers of a pool of up to kMaxWorkers, lower()'s pool_size limit; position
-// `pool` is a program's copy stream), each created on first use with one event and,
+// What a lease holds at most: 2 * kMaxWorkers streams (positions 0 .. pool - 1 are the
+// workers of a pool of up to kMaxWorkers, lower()'s pool_size limit; position `pool` is
+// a program's copy stream, or positions pool .. 2 * pool - 1 the second set of workers
+// of a loop whose copies run under the loop before it), each created on first use with one event and,
 // from its first cuBLASLt GEMM, one workspace (gemm_plan.h: 32 MiB by default); plus
 // one event and up to kCallerWorkspaces workspaces for the caller's streams. None of it
 // is freed: a lease is given back to the pool when its thread exits and reused whole by
@@ -67,7 +68,8 @@ struct Stream {
 };
 
 // The most worker streams of a pool (the Python side's lowering.MAX_POOL_SIZE); the copy
-// stream is position `pool`, so a lease has at most kMaxWorkers + 1 streams.
+// stream is position `pool` and a second set of workers positions pool .. 2 * pool - 1,
+// so a lease has at most 2 * kMaxWorkers streams.
 inline constexpr int64_t kMaxWorkers = 32;
 
 // The streams one thread uses on one device.
@@ -107,11 +109,12 @@ struct Lease {
     return caller_workspaces.back().second.get();
   }
 
-  // Stream `k` of the lease, created (with its event) on first use: 0 <= k <= kMaxWorkers.
+  // Stream `k` of the lease, created (with its event) on first use: 0 <= k < 2 kMaxWorkers.
   Stream& worker(int64_t k) {
-    CG_CHECK(k >= 0 && k <= kMaxWorkers, "codegen: worker stream ", k,
-             " is out of range: a lease holds streams 0 to ", kMaxWorkers, " (", kMaxWorkers,
-             " workers and the copy stream; lower() refuses pool_size > ", kMaxWorkers, ")");
+    CG_CHECK(k >= 0 && k < 2 * kMaxWorkers, "codegen: worker stream ", k,
+             " is out of range: a lease holds streams 0 to ", 2 * kMaxWorkers - 1, " (",
+             kMaxWorkers, " workers and a second set, or the copy stream; lower() refuses "
+             "pool_size > ", kMaxWorkers, ")");
     while (static_cast<int64_t>(workers.size()) <= k) {
       Stream s;
       s.worker = static_cast<int64_t>(workers.size());
