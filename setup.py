@@ -14,7 +14,8 @@ setup(
     package_data={"codegen.templates": ["*.j2"], "codegen": ["include/codegen/*.h"]},
     install_requires=["torch>=2.4", "jinja2>=3.0", "ninja"],
     extras_require={
-        "test": ["pytest>=7", "ruff", "matplotlib"],
+        "test": ["pytest>=7", "ruff", "matplotlib", "transformers>=4.40"],
+        "offload": ["transformers>=4.40", "accelerate"],
         "plot": ["matplotlib"],
     },
 )

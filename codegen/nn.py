@@ -1,0 +1,331 @@
+"""Offload a model's Linear weights to host memory in one line.
+
+    import codegen.nn
+    model = codegen.nn.offload(model, slices=8)    # in place; returns the model
+    model(x)                                         # or model.generate(...)
+    codegen.nn.report(model)                         # what the last forward moved
+
+Every ``nn.Linear`` of the model (``filter`` may narrow that) keeps its weight and bias in
+one pinned host arena of exactly their size (one allocation registered with
+``cudaHostRegister``, not one pinned tensor per weight: PyTorch's pinned allocator rounds
+each block up to a power of two), and runs its forward through one compiled host program,
+``linear(x, w, bias)`` with ``w`` in host memory: the weight's row blocks are copied into
+staging slots on the slices' streams under the GEMMs of the slices before them, so the GPU
+holds ``min(slices, pool_size)`` slices of a weight at a time, never the whole of it. The
+rest of the model (embeddings, norms, attention math, and Linears the filter leaves out)
+moves to the GPU. The modules stay ``nn.Linear`` (their class becomes
+:class:`OffloadedLinear`, a subclass), so transformers models work unchanged,
+``generate()`` included. One program serves every Linear of a dtype (its extents are
+symbolic), built once per cache.
+
+What it does not do (yet): prefetch across ops (the first copies of the next Linear start
+when that Linear is called, not under the Linear before it: today's ``three ops`` rows in
+``benchmarks/results/mlp_offload.json``), and backward (the ops say they have none).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from . import ir
+from .builder import CompiledOp, compile
+from .errors import ScheduleError
+from .evaluator import evaluate
+from .lowering import lower
+
+# Where each tensor of the arena starts: a multiple of this many bytes (cudaMemcpy moves
+# aligned blocks fastest; the GEMMs read aligned slots either way).
+ALIGN = 256
+
+Filter = Callable[[str, nn.Linear], bool]
+
+
+@dataclasses.dataclass
+class Arena:
+    """One host allocation holding the offloaded weights and biases, pinned (page-locked,
+    registered with CUDA) where there is a GPU: ``nbytes`` is the sum of the tensors'
+    bytes rounded up to ``ALIGN`` each, not a power of two."""
+
+    storage: torch.Tensor  # uint8 [nbytes]
+    pinned: bool
+
+    @property
+    def nbytes(self) -> int:
+        return self.storage.numel()
+
+
+def _pin(storage: torch.Tensor) -> bool:
+    """Registers ``storage``'s pages with CUDA (exact size), unregistered when it is freed."""
+    if not torch.cuda.is_available() or storage.numel() == 0:
+        return False
+    cudart = torch.cuda.cudart()
+    ptr = storage.data_ptr()
+    status = cudart.cudaHostRegister(ptr, storage.numel(), 0)
+    if int(status) != 0:
+        raise RuntimeError(f"codegen.nn.offload: cudaHostRegister of {storage.numel()} bytes "
+                           f"failed ({status}); is the host memory limit (ulimit -l) too low?")
+    weakref.finalize(storage, cudart.cudaHostUnregister, ptr)
+    return True
+
+
+@dataclasses.dataclass
+class Report:
+    """What one forward of an offloaded model moved, and how close to the copy floor it ran.
+    ``copy_floor_ms``: the offloaded bytes at the bandwidth of one pinned copy measured at
+    ``offload`` time; ``floor_share``: that over the forward's time (1.0 = the forward took
+    no longer than copying its weights alone); ``beyond_floor_ms``: the time the forward
+    took beyond the copy floor (copies exposed, compute the copies did not hide)."""
+
+    linears: int
+    bytes_moved: int
+    forward_ms: float
+    gbps: float
+    copy_floor_ms: float
+    copy_gbps: float
+    floor_share: float
+    beyond_floor_ms: float
+
+    def line(self) -> str:
+        if math.isnan(self.copy_floor_ms):  # the evaluator on the CPU: nothing is copied
+            return (f"codegen.nn.offload: {self.linears} Linear calls read "
+                    f"{self.bytes_moved / 1e9:.3f} GB of host weights in "
+                    f"{self.forward_ms:.2f} ms (on the CPU: no copy floor)")
+        return (f"codegen.nn.offload: {self.linears} Linear calls moved "
+                f"{self.bytes_moved / 1e9:.3f} GB in {self.forward_ms:.2f} ms "
+                f"({self.gbps:.1f} GB/s); copy floor {self.copy_floor_ms:.2f} ms at "
+                f"{self.copy_gbps:.1f} GB/s: {100 * self.floor_share:.0f}% of it, "
+                f"{self.beyond_floor_ms:.2f} ms beyond")
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+class _State:
+    """Per offloaded model: the arena, the programs, the measured copy bandwidth and the
+    counters of the forward in flight."""
+
+    def __init__(self, arena: Arena, device: torch.device, slices: int, pool_size: int,
+                 verbose: bool) -> None:
+        self.arena = arena
+        self.device = device
+        self.slices = slices
+        self.pool_size = pool_size
+        self.verbose = verbose
+        self.ops: dict[tuple[torch.dtype, bool], CompiledOp] = {}
+        self.programs: dict[tuple[torch.dtype, bool], Any] = {}
+        self.copy_gbps = 0.0
+        self.calls = 0
+        self.bytes = 0
+        self.timing: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
+        self.started = 0.0
+        self.pending = False
+        self.last: Report | None = None
+
+    def fusion(self, dtype: torch.dtype, bias: bool) -> ir.Fusion:
+        name = f"offload_linear_{ir.DTYPE_NAMES[dtype]}{'_bias' if bias else ''}_s{self.slices}"
+        with ir.Fusion(name) as fusion:
+            x = ir.input(["m", "k"], dtype, name="x")
+            w = ir.input(["n", "k"], dtype, name="w", device="cpu")
+            b = ir.input(["n"], dtype, name="bias", device="cpu") if bias else None
+            out = ir.linear(x, w, b)
+            ir.output(out)
+        out.outer_split(1, self.slices)
+        out.axis(1).parallelize(ir.ParallelType.Stream)
+        return fusion
+
+    def run(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+        key = (w.dtype, b is not None)
+        args = [x, w] + ([b] if b is not None else [])
+        self.calls += 1
+        self.bytes += sum(t.numel() * t.element_size() for t in args[1:])
+        if self.device.type == "cpu":  # the evaluator runs the same host program
+            if key not in self.programs:
+                self.programs[key] = lower(self.fusion(*key), pool_size=self.pool_size)
+            return evaluate(self.programs[key], args)[0]
+        if key not in self.ops:
+            self.ops[key] = compile(self.fusion(*key), pool_size=self.pool_size)
+        return self.ops[key](*args)
+
+    # -- the report around one forward of the root module
+    def begin(self) -> None:
+        self.calls = self.bytes = 0
+        self.timing = None
+        if self.device.type == "cuda" and not torch.cuda.is_current_stream_capturing():
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            self.timing = (start, end)
+        self.started = time.perf_counter()
+
+    def end(self) -> None:
+        if self.device.type == "cuda" and self.timing is None:
+            return  # captured into a graph: nothing to time
+        if self.timing is not None:
+            self.timing[1].record()
+        self.pending = True
+        if self.verbose:
+            last = self.finish()
+            if last is not None:
+                print(last.line())
+
+    def finish(self) -> Report | None:
+        if not self.pending:
+            return self.last
+        self.pending = False
+        if self.timing is not None:
+            self.timing[1].synchronize()
+            ms = self.timing[0].elapsed_time(self.timing[1])
+        else:
+            ms = (time.perf_counter() - self.started) * 1e3
+        floor = self.bytes / (self.copy_gbps * 1e6) if self.copy_gbps else math.nan
+        self.last = Report(
+            linears=self.calls, bytes_moved=self.bytes, forward_ms=ms,
+            gbps=self.bytes / (ms * 1e6) if ms > 0 else math.nan, copy_floor_ms=floor,
+            copy_gbps=self.copy_gbps, floor_share=floor / ms if ms > 0 else math.nan,
+            beyond_floor_ms=ms - floor)
+        return self.last
+
+
+class OffloadedLinear(nn.Linear):
+    """An ``nn.Linear`` whose weight (and bias) live in the model's pinned host arena and
+    whose forward runs the compiled program that streams them (see the module docstring)."""
+
+    _codegen: _State
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 0:
+            raise ValueError("codegen.nn.offload: a Linear's input must have at least one dim")
+        if x.dtype != self.weight.dtype:
+            raise ValueError(f"codegen.nn.offload: this Linear's weight is "
+                             f"{self.weight.dtype}, its input {x.dtype}; cast the input "
+                             "(as the model would for a GPU-resident weight)")
+        lead = x.shape[:-1]
+        flat = x.reshape(-1, x.shape[-1])
+        out = self._codegen.run(flat, self.weight, self.bias)
+        return out.reshape(*lead, out.shape[-1])
+
+
+def _shared_parameters(model: nn.Module, linears: list[nn.Linear]) -> set[int]:
+    """Parameters of the Linears that some other module also holds (a tied embedding)."""
+    mine = {id(p) for m in linears for p in m.parameters(recurse=False)}
+    others: set[int] = set()
+    for m in model.modules():
+        if isinstance(m, nn.Linear) and m in linears:
+            continue
+        others |= {id(p) for p in m.parameters(recurse=False)}
+    return mine & others
+
+
+def _measure_copy_gbps(arena: Arena, device: torch.device) -> float:
+    """GB/s of one pinned copy of (up to 256 MiB of) the arena to the GPU, best of three."""
+    if device.type != "cuda" or not arena.pinned:
+        return 0.0
+    n = min(arena.nbytes, 256 * 2**20)
+    src = arena.storage[:n]
+    dst = torch.empty(n, dtype=torch.uint8, device=device)
+    best = math.inf
+    for _ in range(3):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src, non_blocking=True)
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end))
+    return n / (best * 1e6)
+
+
+def offload(model: nn.Module, slices: int = 8, *, filter: Filter | None = None,  # noqa: A002
+            device: str | torch.device = "cuda", pool_size: int = 4,
+            verbose: bool = False) -> nn.Module:
+    """Offloads ``model``'s Linear weights to one pinned host arena and moves the rest to
+    ``device``, in place; returns ``model``.
+
+    ``slices``: stream slices of each weight (its output features); ``pool_size``: worker
+    streams (and staging slots); ``filter(name, linear)`` says which Linears to offload
+    (default: every one whose weight no other module shares, e.g. not a tied lm_head);
+    ``device="cpu"`` runs every offloaded Linear through the evaluator on the CPU (the
+    reference semantics, for tests). ``verbose`` prints :func:`report`'s line after each
+    forward; :func:`report` returns it."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"codegen.nn.offload expects an nn.Module, got {type(model).__name__}")
+    if isinstance(slices, bool) or not isinstance(slices, int) or slices < 1:
+        raise ScheduleError(f"codegen.nn.offload: slices must be an int >= 1, got {slices!r}")
+    if getattr(model, "_codegen_offload", None) is not None:
+        raise ValueError("codegen.nn.offload: this model is offloaded already")
+    device = torch.device(device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("codegen.nn.offload: device='cuda' needs a CUDA GPU; pass "
+                           "device='cpu' to run the offloaded Linears through the evaluator")
+    candidates = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear)
+                  and not isinstance(m, OffloadedLinear)]
+    shared = _shared_parameters(model, [m for _, m in candidates])
+    chosen = [(n, m) for n, m in candidates
+              if (filter(n, m) if filter is not None else id(m.weight) not in shared)]
+    for n, m in chosen:
+        if id(m.weight) in shared:
+            raise ValueError(f"codegen.nn.offload: {n}.weight is shared with another module "
+                             "(a tied embedding?); leave it out with filter=")
+        if m.weight.dtype not in ir.DTYPE_NAMES:
+            raise ValueError(f"codegen.nn.offload: {n}.weight is {m.weight.dtype}; offloaded "
+                             f"weights must be one of {', '.join(ir.DTYPE_NAMES.values())}")
+    tensors = [t for _, m in chosen for t in (m.weight, m.bias) if t is not None]
+    offsets, total = [], 0
+    for t in tensors:
+        offsets.append(total)
+        total += -(-t.numel() * t.element_size() // ALIGN) * ALIGN
+    arena = Arena(torch.empty(total, dtype=torch.uint8), pinned=False)
+    arena.pinned = _pin(arena.storage) if device.type == "cuda" else False
+    views: dict[int, torch.Tensor] = {}
+    for t, off in zip(tensors, offsets):
+        nbytes = t.numel() * t.element_size()
+        view = arena.storage[off:off + nbytes].view(t.dtype).view(t.shape)
+        view.copy_(t.detach())
+        views[id(t)] = view
+    state = _State(arena, device, slices, pool_size, verbose)
+    offloaded = set(views)
+    for _, m in chosen:
+        m.weight = nn.Parameter(views[id(m.weight)], requires_grad=m.weight.requires_grad)
+        if m.bias is not None:
+            m.bias = nn.Parameter(views[id(m.bias)], requires_grad=m.bias.requires_grad)
+        offloaded |= {id(m.weight)} | ({id(m.bias)} if m.bias is not None else set())
+        m.__class__ = OffloadedLinear
+        m._codegen = state  # type: ignore[attr-defined]
+    for module in model.modules():
+        for p in list(module._parameters.values()):
+            if p is not None and id(p) not in offloaded:
+                p.data = p.data.to(device)
+        for key, b in list(module._buffers.items()):
+            if b is not None:
+                module._buffers[key] = b.to(device)
+    state.copy_gbps = _measure_copy_gbps(arena, device)
+    model._codegen_offload = state  # type: ignore[attr-defined]
+    model.register_forward_pre_hook(lambda mod, args: state.begin())
+    model.register_forward_hook(lambda mod, args, out: state.end())
+    return model
+
+
+def report(model: nn.Module) -> Report:
+    """The report of ``model``'s last forward (waits for it to finish on the GPU)."""
+    state = getattr(model, "_codegen_offload", None)
+    if state is None:
+        raise ValueError("codegen.nn.report: this model was not offloaded with "
+                         "codegen.nn.offload")
+    result = state.finish()
+    if result is None:
+        raise ValueError("codegen.nn.report: the offloaded model has not run a forward yet")
+    return result
+
+
+def arena(model: nn.Module) -> Arena:
+    """The pinned host arena of an offloaded model."""
+    state = getattr(model, "_codegen_offload", None)
+    if state is None:
+        raise ValueError("codegen.nn.arena: this model was not offloaded")
+    return state.arena

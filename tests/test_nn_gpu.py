@@ -1,0 +1,76 @@
+"""codegen.nn.offload on the GPU: a tiny transformers Llama against the GPU-resident model,
+greedy generate, GPU and pinned memory, the report, graph capture."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import codegen.nn
+
+pytestmark = pytest.mark.gpu
+transformers = pytest.importorskip("transformers")
+
+
+def tiny_llama(dtype, seed=0):
+    config = transformers.LlamaConfig(
+        vocab_size=101, hidden_size=128, intermediate_size=352, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+        tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    return transformers.LlamaForCausalLM(config).to(dtype).eval()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_logits_and_generate_match_the_gpu_model(dtype, cache_dir):
+    torch.backends.cuda.matmul.allow_tf32 = False
+    ref = tiny_llama(dtype)
+    model = codegen.nn.offload(copy.deepcopy(ref), slices=4)
+    ref = ref.cuda()
+    ids = torch.randint(0, 101, (2, 11), device="cuda")
+    with torch.no_grad():
+        got, expect = model(ids).logits.float(), ref(ids).logits.float()
+    err = ((got - expect).norm() / expect.norm()).item()
+    assert err < (2e-2 if dtype == torch.bfloat16 else 1e-5), err
+    if dtype == torch.float32:
+        mask = torch.ones_like(ids)
+        assert torch.equal(model.generate(ids, attention_mask=mask, max_new_tokens=8,
+                                          do_sample=False),
+                           ref.generate(ids, attention_mask=mask, max_new_tokens=8,
+                                        do_sample=False))
+
+
+def test_memory_report_and_pinned_arena(cache_dir):
+    model = tiny_llama(torch.bfloat16)
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    offloaded_bytes = sum(m.weight.numel() * 2 for m in linears)
+    kept = sum(p.numel() * 2 for p in model.parameters()) - offloaded_bytes
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    codegen.nn.offload(model, slices=4)
+    on_gpu = torch.cuda.memory_allocated() - before
+    assert on_gpu <= kept + 2**20, (on_gpu, kept)  # the measurement buffer is freed
+    arena = codegen.nn.arena(model)
+    assert arena.pinned and arena.storage.is_pinned()
+    assert arena.nbytes <= 1.02 * offloaded_bytes + codegen.nn.ALIGN * len(linears)
+    with torch.no_grad():
+        model(torch.randint(0, 101, (1, 16), device="cuda"))
+    r = codegen.nn.report(model)
+    assert r.linears == len(linears) and r.bytes_moved == offloaded_bytes
+    assert r.forward_ms > 0 and r.copy_gbps > 1 and 0 < r.floor_share
+    assert "Linear calls moved" in r.line()
+
+
+def test_a_one_token_forward_is_captured_and_replayed(cache_dir):
+    from benchmarks.gpu_timing import capture_graph
+
+    model = codegen.nn.offload(tiny_llama(torch.bfloat16), slices=2)
+    ids = torch.randint(0, 101, (1, 1), device="cuda")
+    with torch.no_grad():
+        expect = model(ids, use_cache=False).logits.clone()
+        graph, out = capture_graph(lambda: model(ids, use_cache=False).logits)
+        out.zero_()
+        graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, expect)
