@@ -1,4 +1,4 @@
-"""Build and load times of new programs (issue 8, P5), measured in fresh processes.
+"""Build and load times of new programs, measured in fresh processes.
 
     PYTHONPATH=. python3 benchmarks/bench_build.py [--programs 3] [--warm-runs 3] [--out DIR]
 
@@ -14,8 +14,8 @@ For each process: compile_s, cg.compile alone (lower, render if needed, build or
 timed inside the child; import_s, `import torch` and `import codegen` inside the child;
 wall_s, the child's whole wall time seen from this process (interpreter start and
 `import torch` included); build_ninja, whether the op's cache folder holds the build.ninja
-of torch.utils.cpp_extension (meta.build_path says how the programs were built). Targets
-(issue 8): first <= 20 s, cold median <= 3.0 s, warm load <= 0.05 s. Runs on the CPU
+of torch.utils.cpp_extension (meta.build_path says how the programs were built). Targets:
+first <= 20 s, cold median <= 3.0 s, warm load <= 0.05 s. Runs on the CPU
 machines (no GPU needed). Prints a table and writes build.json to --out (default
 benchmarks/results).
 """
@@ -147,7 +147,7 @@ def table(results: dict[str, Any], summary: dict[str, Any]) -> str:
     lines.append(f"{'warm load, new process (median)':<40} "
                  f"{summary['warm_load_median_s']:12.3f} {summary['warm_wall_median_s']:12.2f} "
                  f"{summary['import_median_s']:9.2f}")
-    lines.append("targets (issue 8): " + ", ".join(
+    lines.append("targets: " + ", ".join(
         f"{k}: {'met' if ok else 'MISSED'}" for k, ok in summary["targets"].items()))
     return "\n".join(lines)
 

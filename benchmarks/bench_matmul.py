@@ -306,7 +306,7 @@ def summarize(case: Case, slices: int, times: dict[str, list[float]],
         **ratio_fields("op_loop_ratio", op, lp),
         "op_rel_err": errors[f"op/s{slices}"], "graph_rel_err": errors[f"graph/s{slices}"],
         "loop_rel_err": errors[f"loop/s{slices}"],
-        # P2 of issue 9 compares this with meta.launch_floor_us (needs S = 1 in the run)
+        # The host-cost target compares this with meta.launch_floor_us (needs S = 1 in the run)
         "op_host_us_per_extra_slice": (
             (host[f"op/s{slices}"] - host["op/s1"]) / (slices - 1)
             if slices > 1 and "op/s1" in host else None),

@@ -1,4 +1,4 @@
-"""Tensor-parallel overlap (issues 11 and 12): all-gather + GEMM and GEMM + reduce-scatter,
+"""Tensor-parallel overlap: all-gather + GEMM and GEMM + reduce-scatter,
 the compiled op with its collective sliced into the stream loop, against the same GEMM
 with no communication, the collective then one GEMM, and PyTorch's async-TP where it runs.
 

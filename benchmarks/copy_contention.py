@@ -1,5 +1,5 @@
 """Do the GEMM slices slow the host-to-device copies that run under them, and does an SM
-budget for the GEMMs give the copies their bandwidth back? (issue 10, P4)
+budget for the GEMMs give the copies their bandwidth back?
 
     PYTHONPATH=. python3 benchmarks/copy_contention.py [--rounds 7] [--sm 0,120,100]
 

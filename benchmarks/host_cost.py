@@ -1,4 +1,4 @@
-"""Where the op's host time goes (issue 9, item 4), on one GPU.
+"""Where the op's host time goes, on one GPU.
 
     PYTHONPATH=. python3 benchmarks/host_cost.py [--out benchmarks/results] [--size 2048]
 

@@ -1,5 +1,5 @@
-"""Why a split 2048^3 GEMM replayed from a CUDA graph is slower than one GEMM (issue 9,
-P3: target <= 1.3x): GPU time only, no host cost.
+"""Why a split 2048^3 GEMM replayed from a CUDA graph is slower than one GEMM (target
+<= 1.3x): GPU time only, no host cost.
 
     PYTHONPATH=. python3 benchmarks/small_gemm_probe.py [--size 2048] [--rounds 30]
 

@@ -1,4 +1,4 @@
-"""Host-resident inputs and outputs (issue 10): the definition, the staged host IR, and
+"""Host-resident inputs and outputs: the definition, the staged host IR, and
 the evaluator's per-slice copies on the CPU (exact against torch on integer values)."""
 
 import os

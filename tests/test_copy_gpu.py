@@ -1,4 +1,4 @@
-"""Host-resident operands through the evaluator on a GPU (issue 10). Marked `gpu`; run on
+"""Host-resident operands through the evaluator on a GPU. Marked `gpu`; run on
 the H200 with `PYTHONPATH=. python3 -m pytest -m gpu -q tests/test_copy_gpu.py`."""
 
 import pytest
@@ -477,8 +477,7 @@ def test_nvtx_ranges_name_each_slice_for_a_profiler(tmp_path, cache_dir):
 
 
 # ---------------------------------------------------------------------------- copy stream
-# copy_stream=True (hostir.queue_copies_in). These were written in a session with no
-# device time left: they had not run on a GPU when they were committed (see README).
+# copy_stream=True (hostir.queue_copies_in).
 
 
 @pytest.mark.parametrize("pinned", [True, False], ids=["pinned", "pageable"])

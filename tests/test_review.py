@@ -1,5 +1,5 @@
-"""Issue 13, the Python side: the evaluator's join on every exit (item 1), k = 0 (item 3),
-one input read with different splits (item 5), names (item 6). CPU, exact against torch."""
+"""The Python side of the runtime's promises: the evaluator's join on every exit, k = 0,
+one input read with different splits, names. CPU, exact against torch."""
 
 import contextlib
 

@@ -1,6 +1,6 @@
-"""Issue 13's build and render items on the CPU: the op name and cache key cover what the
-C++ depends on (item 2), a name rebuilt after a failed build (4), C++-hostile names
-(6, the C++ half), the library loaded under the entry's lock (11)."""
+"""Build and render on the CPU: the op name and cache key cover what the C++ depends on,
+a name rebuilt after a failed build, C++-hostile names (the C++ half), the library loaded
+under the entry's lock."""
 
 import fcntl
 import importlib

@@ -1,6 +1,5 @@
-"""Issue 13 on the GPU: after an exception mid-loop the caller's stream is ordered after the
-workers (item 1); evaluate leaves the caller's current device and streams as they were
-(item 9). Marked `gpu`; needs no C++ build."""
+"""On the GPU: after an exception mid-loop the caller's stream is ordered after the
+workers; evaluate leaves the caller's current device and streams as they were. Marked `gpu`; needs no C++ build."""
 
 import pytest
 import torch

@@ -1,4 +1,4 @@
-"""The C++ runtime's promises on the GPU (issue 13): a throw mid-loop still joins the
+"""The C++ runtime's promises on the GPU: a throw mid-loop still joins the
 workers into the caller's stream; threads never share worker streams (graph capture in
 one thread, eager calls in another); thousands of short-lived threads grow nothing; the
 precision flags reach cuBLAS. Marked `gpu`."""

@@ -1,6 +1,6 @@
 # One device call: the GPU tests, then the layer benchmarks (the MLPs against eager, the
 # host cost of an elementwise op, the offloaded MLP against its copy floor). Everything it
-# prints also goes to $OUT (the device tool brings it back; at most 8 files).
+# prints also goes to $OUT (at most 8 files).
 #   bash tools/gpu_quick.sh                            all GPU tests first
 #   bash tools/gpu_quick.sh tests/test_layers_gpu.py   a subset
 #   BENCH="copy matmul" bash tools/gpu_quick.sh        also bench_copy / bench_matmul

@@ -1,4 +1,4 @@
-# Runs the demo and the GPU tests on the H200 (through the device tool):
+# Runs the demo and the GPU tests on a machine with a GPU:
 #   bash tools/gpu_tests.sh            everything
 #   bash tools/gpu_tests.sh -k EXPR    a subset of the GPU tests (no demo)
 set -o pipefail
