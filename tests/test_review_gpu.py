@@ -1,5 +1,6 @@
 """On the GPU: after an exception mid-loop the caller's stream is ordered after the
-workers; evaluate leaves the caller's current device and streams as they were. Marked `gpu`; needs no C++ build."""
+workers; evaluate leaves the caller's current device and streams as they were. Marked
+`gpu`; needs no C++ build."""
 
 import pytest
 import torch
