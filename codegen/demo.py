@@ -28,6 +28,12 @@ def _llama_mlp(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
     return f.linear(f.silu(f.linear(x, w_gate)) * f.linear(x, w_up), w_down)
 
 
+def _gpt_mlp(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor, w2: torch.Tensor,
+             b2: torch.Tensor) -> torch.Tensor:
+    f = torch.nn.functional
+    return f.linear(f.gelu(f.linear(x, w1, b1), approximate="tanh"), w2, b2)
+
+
 def _ints(*shape: int, dtype: torch.dtype, device: str = "cpu") -> torch.Tensor:
     return torch.randint(-3, 4, shape, device=device).to(dtype)
 
@@ -42,6 +48,8 @@ def run_demo(size: int = 8192, slices: int = 4) -> int:
          examples.stream_weights(torch.float32, 2 * slices, f"demo_stream_weights_s{slices}")),
         ("a Llama MLP as one program: gate and up GEMMs and a fused SiLU-and-multiply per "
          "slice, then down", examples.llama_mlp(torch.float32, slices, name="demo_llama_mlp")),
+        ("a GPT MLP: fc1 with its bias and tanh-GELU in the cuBLASLt epilogue per slice, "
+         "then fc2", examples.gpt_mlp(torch.float32, slices, name="demo_gpt_mlp")),
     ]
     ops = []
     for title, fusion in cases:
@@ -53,7 +61,7 @@ def run_demo(size: int = 8192, slices: int = 4) -> int:
               f" (ready in {time.perf_counter() - start:.2f} s)\n")
         ops.append((program, op))
     (rows_program, rows_op), (cols_program, cols_op), (host_program, host_op), \
-        (mlp_program, mlp_op) = ops
+        (mlp_program, mlp_op), (gpt_program, gpt_op) = ops
 
     # The evaluator is the reference semantics: exact on integer-valued inputs. The
     # stream-order checker runs the same program on element ids: every access ordered.
@@ -67,16 +75,18 @@ def run_demo(size: int = 8192, slices: int = 4) -> int:
               + (f"{len(unordered)} UNORDERED accesses: {unordered[0]}" if unordered else
                  "every access stream-ordered (codegen.races)"))
         ok &= good and not unordered
-    mlp_in = [torch.randn(s, dtype=torch.float64) for s in ((12, 16), (22, 16), (22, 16),
-                                                           (16, 22))]
-    mlp_ref = _llama_mlp(*mlp_in)
-    mlp_in = [t.float() for t in mlp_in]
-    err = _rel_err(evaluate(mlp_program, mlp_in)[0], mlp_ref)
-    unordered = races.find_races(mlp_program, mlp_in)
-    print(f"evaluator on CPU, {mlp_program.name}: relative error {err:.1e} against torch; "
-          + (f"{len(unordered)} UNORDERED accesses: {unordered[0]}" if unordered else
-             "every access stream-ordered (codegen.races)"))
-    ok &= err < 1e-5 and not unordered
+    for program, ref, shapes in (
+            (mlp_program, _llama_mlp, ((12, 16), (22, 16), (22, 16), (16, 22))),
+            (gpt_program, _gpt_mlp, ((12, 16), (22, 16), (22,), (16, 22), (16,)))):
+        xs = [torch.randn(s, dtype=torch.float64) for s in shapes]
+        expect = ref(*xs)
+        xs = [t.float() for t in xs]
+        err = _rel_err(evaluate(program, xs)[0], expect)
+        unordered = races.find_races(program, xs)
+        print(f"evaluator on CPU, {program.name}: relative error {err:.1e} against torch; "
+              + (f"{len(unordered)} UNORDERED accesses: {unordered[0]}" if unordered else
+                 "every access stream-ordered (codegen.races)"))
+        ok &= err < 1e-5 and not unordered
 
     if not torch.cuda.is_available():
         out = rows_op(torch.empty(size, size, device="meta", dtype=torch.bfloat16),
@@ -102,6 +112,12 @@ def run_demo(size: int = 8192, slices: int = 4) -> int:
     err = _rel_err(mlp_op(x, wg, wu, wd), _llama_mlp(x, wg, wu, wd))
     good = err < 1e-5
     print(f"GPU, {mlp_program.name} [256, 512] -> 1408 -> 512 fp32: relative error {err:.1e} "
+          f"vs torch ({'ok' if good else 'MISMATCH'}, bound 1e-5)")
+    ok &= good
+    b1, b2 = torch.randn(1408, device="cuda") * 0.1, torch.randn(512, device="cuda") * 0.1
+    err = _rel_err(gpt_op(x, wg, b1, wd, b2), _gpt_mlp(x, wg, b1, wd, b2))
+    good = err < 1e-5
+    print(f"GPU, {gpt_program.name} [256, 512] -> 1408 -> 512 fp32: relative error {err:.1e} "
           f"vs torch ({'ok' if good else 'MISMATCH'}, bound 1e-5)")
     ok &= good
 
