@@ -90,7 +90,7 @@ def _environment() -> jinja2.Environment:
 # Modules that cannot change a program's C++ (they build, run, time or show it); every
 # other module of the package is hashed into the op name, new ones included by default.
 # (builder.py's flags key the build cache instead.)
-_NOT_SHAPING_CPP = frozenset({"builder.py", "evaluator.py", "timeline.py", "demo.py",
+_NOT_SHAPING_CPP = frozenset({"builder.py", "evaluator.py", "timeline.py", "demo.py", "nn.py",
                               "__main__.py", "timing.py", "collectives.py", "races.py"})
 
 
