@@ -14,7 +14,7 @@ gemm_library="cublas": one cublasGemmEx per slice, a bias by a second GEMM) and 
 
 Method. The H200 power-caps within about a second of sustained GEMMs and then drifts by a
 few percent from block to block, so whatever is timed first wins by up to 13%
-(ENVIRONMENT.md). Per case:
+(the power-capping note in benchmarks/RESULTS.md). Per case:
 1. a warm-up of at least --warmup-s seconds of the case's GEMM;
 2. --rounds rounds; each round times every variant once, in an order rotated by one each
    round; a variant's block is one untimed lead-in call, then `reps` calls between two CUDA

@@ -5,7 +5,7 @@ Why interleaved: the H200 power-caps within about a second of sustained GEMMs, a
 drifts by a few percent from block to block, so a variant timed after another one is
 timed on a different card. Each round times every variant once (in a rotated order), and
 each ratio is taken inside a round, between neighbours in time, before its median over
-the rounds (ENVIRONMENT.md, "The GPU machine").
+the rounds.
 """
 
 from __future__ import annotations

@@ -556,7 +556,7 @@ def _check_device(device: object, what: str) -> str:
     )
 
 
-def input(  # noqa: A001 - the public API name is fixed by DESIGN.md
+def input(  # noqa: A001 - the public API
     shape: Sequence[int | str | None], dtype: torch.dtype = torch.float32,
     name: str | None = None, device: str = "cuda",
 ) -> TensorView:
