@@ -554,6 +554,9 @@ def verify(program: HostProgram) -> HostProgram:
                 local.add(d)
             if isinstance(n, GetCurrentStream):
                 has_main = True
+            if isinstance(n, Compute) and n.gemm is not None and \
+                    any(isinstance(a, Apply) for a in n.gemm.args):
+                raise InternalError(f"{n}: a GEMM's operands must be values\n{program}")
             if isinstance(n, (SetCurrentStream, Synchronize, StreamSynchronize)):
                 s = n.stream
                 if isinstance(s, str) and not has_main:
@@ -844,34 +847,51 @@ def _remove_dead_code_once(program: HostProgram) -> HostProgram:
 
     live = used_names(program.body) | set(program.outputs)
 
-    def keep(nodes: list[Node]) -> list[Node]:
+    def keep(nodes: list[Node], scope: set[str]) -> list[Node]:
+        """``scope``: the names read by live nodes where ``nodes`` can be seen. A loop's
+        views are its own (``T0_i`` in two loops are two values): each loop judges them
+        by what its own body reads."""
         kept: list[Node] = []
         for n in nodes:
             views = (ShardByStream, StagingSlot, Allocate)
             if dead_write(n):
                 continue
-            if isinstance(n, views) and not set(n.defines()) & live:
+            if isinstance(n, views) and not set(n.defines()) & scope:
                 continue
             if isinstance(n, Deallocate) and n.tensor not in live:
                 continue
             if isinstance(n, ForLoop):
-                n = dataclasses.replace(n, body=keep(n.body))
+                n = dataclasses.replace(n, body=keep(n.body, used_names(n.body)))
                 if not n.body:  # a loop left with nothing to do goes too
                     continue
             kept.append(n)
         return kept
 
-    return program.replace(body=keep(program.body))
+    return program.replace(body=keep(program.body, live))
 
 
-def _fusable(program: HostProgram, t: str) -> tuple[list[Node], Compute, Compute, str] | None:
-    """Where intermediate ``t`` can be computed inside its one reader: (the body holding
-    both nodes, the producer, the consumer, the value the consumer reads), or None.
+@dataclasses.dataclass
+class _Fusion:
+    """A producer and its one consumer that can be one node (``_fusable``, ``_fused``)."""
+
+    producer: Compute
+    consumer: Compute
+    value: str  # what the consumer reads of the producer's result
+    at_producer: bool  # the fused node takes the producer's place (else the consumer's)
+    fused: Compute | None = None
+    allocate: Allocate | None = None  # the consumer's output, then allocated before it
+
+
+def _fusable(program: HostProgram, t: str) -> _Fusion | None:
+    """Whether intermediate ``t`` can be computed inside its one reader, or None.
 
     ``t`` is a GPU allocation that is not an output; one Compute writes it (or its one
     slice view) and one Compute after it, in the same body, reads that value once and
-    nothing else does; the reader has ``t``'s rank (so it does not broadcast ``t``);
-    nothing between them frees what the producer reads."""
+    nothing else does. The fused node can take the consumer's place if nothing between
+    the two frees what the producer reads; else the producer's (``at_producer``) if the
+    consumer reads nothing else and writes a value defined before the producer, or
+    allocated between the two (that Allocate moves before the fused node): an epilogue of
+    a GEMM whose input is freed right after it."""
     bodies = [program.body] + [n.body for n in program.nodes() if isinstance(n, ForLoop)]
     views = [n for n in program.nodes() if isinstance(n, ShardByStream) and n.tensor == t]
     if len(views) > 1:
@@ -883,16 +903,22 @@ def _fusable(program: HostProgram, t: str) -> tuple[list[Node], Compute, Compute
         return None
     producer, consumer = users
     assert isinstance(producer, Compute) and isinstance(consumer, Compute)
-    if producer.out != value or value in producer.reads() or \
-            consumer.expr.leaves().count(value) != 1 or _count(consumer.expr, value) != 1:
+    if producer.out != value or value in producer.reads() or _count(consumer.expr, value) != 1:
         return None
     for body in bodies:
         ids = [id(n) for n in body]
         if id(producer) in ids and id(consumer) in ids:
             p, c = ids.index(id(producer)), ids.index(id(consumer))
+            if p >= c:
+                return None
             freed = {n.tensor for n in body[p:c] if isinstance(n, Deallocate)}
-            if p < c and not freed & set(producer.reads()):
-                return body, producer, consumer, value
+            if not freed & set(producer.reads()):
+                return _Fusion(producer, consumer, value, at_producer=False)
+            between = [n for n in body[p:c] if consumer.out in n.defines()]
+            allocate = between[0] if between and isinstance(between[0], Allocate) else None
+            if consumer.reads() == [value] and (not between or allocate is not None):
+                return _Fusion(producer, consumer, value, at_producer=True, allocate=allocate)
+            return None
     return None
 
 
@@ -900,40 +926,71 @@ def _count(e: Apply, value: str) -> int:
     return sum(_count(a, value) if isinstance(a, Apply) else a == value for a in e.args)
 
 
-def _fused(producer: Compute, consumer: Compute, value: str, gemm_library: str,
-           ) -> Compute | None:
-    """``consumer`` computing ``producer``'s expression in place of ``value``, or None
-    where the two cannot be one node: a pointwise producer inlines into a pointwise
-    consumer's kernel (except a cast, which rounds: it stays where it stores); a GEMM
-    takes a one-operand consumer as its epilogue where cuBLASLt has one for it."""
-    c, p = consumer.expr, producer.expr
-    if not c.defn.is_pointwise or producer.epilogue is not None:
+def _fused(f: _Fusion, program: HostProgram) -> Compute | None:
+    """The one node computing ``f.consumer`` with ``f.producer``'s expression in place of
+    ``f.value``, or None where the two cannot be one node:
+
+    - a pointwise producer inlines into a pure pointwise consumer's kernel (never into a
+      GEMM's operands); a cast producer stays where it stores (it rounds), and a cast
+      consumer takes a producer only if the producer's result is already in the
+      expression's compute dtype (no rounding of it is lost);
+    - a GEMM takes a one-operand consumer as its epilogue where cuBLASLt has one for it
+      (and the program's GEMMs use cuBLASLt)."""
+    c, p = f.consumer.expr, f.producer.expr
+    if not c.defn.is_pointwise or f.consumer.gemm is not None or \
+            f.producer.epilogue is not None:
         return None
     if p.defn.is_pointwise and p.defn is not ops.CAST:
+        if c.defn is ops.CAST:
+            dtypes = _value_dtypes(program)
+            compute = ops.compute_dtype([dtypes[v] for v in
+                                         [*f.consumer.uses(), *f.producer.uses()]])
+            if dtypes[f.value] != compute:
+                return None
+
         def inline(e: Apply) -> Apply:
             return dataclasses.replace(e, args=tuple(
-                p if a == value else inline(a) if isinstance(a, Apply) else a
+                p if a == f.value else inline(a) if isinstance(a, Apply) else a
                 for a in e.args))
-        return Compute.of(inline(c), consumer.out)
+        return Compute.of(inline(c), f.consumer.out)
     epilogue = c.defn.epilogue(dict(c.attrs)) if c.defn.epilogue else None
-    if p.defn.is_gemm and epilogue and c.args == (value,) and gemm_library == "cublaslt":
-        return Compute.of(dataclasses.replace(c, args=(p,)), consumer.out)
+    if p.defn.is_gemm and epilogue and c.args == (f.value,) and \
+            program.gemm_library == "cublaslt":
+        return Compute.of(dataclasses.replace(c, args=(p,)), f.consumer.out)
     return None
 
 
-def _fuse(nodes: list[Node], t: str, producer: Compute, consumer: Compute, fused: Compute,
-          ) -> list[Node]:
-    """``nodes`` with ``consumer`` replaced by ``fused``, and ``producer`` and intermediate
-    ``t`` (its Allocate, view and Deallocate) gone."""
+def _value_dtypes(program: HostProgram) -> dict[str, torch.dtype]:
+    """The dtype of each tensor value: inputs and allocations as declared, a view as the
+    tensor it views."""
+    dtype = {t.name: t.dtype for t in program.inputs}
+    for n in program.nodes():
+        if isinstance(n, Allocate):
+            dtype[n.out.name] = n.out.dtype
+            continue
+        viewed = n.uses()[0] if n.uses() else None
+        for d in n.defines():
+            if viewed in dtype:
+                dtype[d] = dtype[viewed]
+    return dtype
+
+
+def _fuse(nodes: list[Node], t: str, f: _Fusion) -> list[Node]:
+    """``nodes`` with the fused node in the consumer's (or the producer's) place, the other
+    one gone, and intermediate ``t`` (its Allocate, view and Deallocate) gone."""
     out: list[Node] = []
+    drop = f.consumer if f.at_producer else f.producer
+    keep = f.producer if f.at_producer else f.consumer
     for n in nodes:
-        if n is producer or (isinstance(n, ShardByStream) and n.tensor == t) or \
-                (isinstance(n, Allocate) and n.out.name == t) or \
+        if n is drop or n is f.allocate or (isinstance(n, ShardByStream) and n.tensor == t) \
+                or (isinstance(n, Allocate) and n.out.name == t) or \
                 (isinstance(n, Deallocate) and n.tensor == t):
             continue
         if isinstance(n, ForLoop):
-            n = dataclasses.replace(n, body=_fuse(n.body, t, producer, consumer, fused))
-        out.append(fused if n is consumer else n)
+            n = dataclasses.replace(n, body=_fuse(n.body, t, f))
+        if n is keep and f.allocate is not None:
+            out.append(f.allocate)  # the fused node writes it where the producer was
+        out.append(f.fused if n is keep else n)  # type: ignore[arg-type]
     return out
 
 
@@ -957,10 +1014,12 @@ def fuse_pointwise(program: HostProgram) -> HostProgram:
             if t in outputs or info.device != "cuda":
                 continue
             found = _fusable(program, t)
-            fused = found and _fused(found[1], found[2], found[3], program.gemm_library)
-            if not found or not fused:
+            if found is None:
                 continue
-            program = program.replace(body=_fuse(program.body, t, found[1], found[2], fused))
+            found.fused = _fused(found, program)
+            if found.fused is None or (found.at_producer and found.fused.gemm is None):
+                continue  # a kernel reads the consumer's other inputs: the consumer's place
+            program = program.replace(body=_fuse(program.body, t, found))
             changed = True
             break
     return program
@@ -1250,7 +1309,8 @@ def hoist_staging(program: HostProgram) -> HostProgram:
     loops = _copy_stream_loops(program)
     if len(loops) < 2:
         return program
-    stages = {n.stage for n in program.nodes() if isinstance(n, StagingSlot)}
+    stages = {n.stage for k in loops for n in program.body[k].body  # type: ignore[attr-defined]
+              if isinstance(n, StagingSlot)}
 
     def hoisted(n: Node) -> bool:
         return (isinstance(n, Allocate) and n.out.name in stages) or \

@@ -212,15 +212,13 @@ class OffloadedLinear(nn.Linear):
         return out.reshape(*lead, out.shape[-1])
 
 
-def _shared_parameters(model: nn.Module, linears: list[nn.Linear]) -> set[int]:
-    """Parameters of the Linears that some other module also holds (a tied embedding)."""
-    mine = {id(p) for m in linears for p in m.parameters(recurse=False)}
-    others: set[int] = set()
+def _shared_parameters(model: nn.Module) -> set[int]:
+    """Parameters that two or more modules hold (a tied embedding, two tied Linears)."""
+    seen: dict[int, int] = {}
     for m in model.modules():
-        if isinstance(m, nn.Linear) and m in linears:
-            continue
-        others |= {id(p) for p in m.parameters(recurse=False)}
-    return mine & others
+        for p in m.parameters(recurse=False):
+            seen[id(p)] = seen.get(id(p), 0) + 1
+    return {k for k, count in seen.items() if count > 1}
 
 
 def _measure_copy_gbps(arena: Arena, device: torch.device) -> float:
@@ -263,38 +261,43 @@ def offload(model: nn.Module, slices: int = 8, *, filter: Filter | None = None, 
     if device.type == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("codegen.nn.offload: device='cuda' needs a CUDA GPU; pass "
                            "device='cpu' to run the offloaded Linears through the evaluator")
-    candidates = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear)
-                  and not isinstance(m, OffloadedLinear)]
-    shared = _shared_parameters(model, [m for _, m in candidates])
+    # Exactly nn.Linear: a subclass may have a forward of its own, and a Linear inside
+    # nn.MultiheadAttention (a subclass) is never called: attention reads its weight.
+    candidates = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    shared = _shared_parameters(model)
     chosen = [(n, m) for n, m in candidates
-              if (filter(n, m) if filter is not None else id(m.weight) not in shared)]
+              if (filter(n, m) if filter is not None else
+                  type(m) is nn.Linear and id(m.weight) not in shared)]
     for n, m in chosen:
-        if id(m.weight) in shared:
+        if type(m) is not nn.Linear:
+            raise ValueError(f"codegen.nn.offload: {n} is a {type(m).__name__}, not an "
+                             "nn.Linear: its forward (or the module that reads its weight) "
+                             "would not run the offloaded program; leave it out with filter=")
+        if id(m.weight) in shared or (m.bias is not None and id(m.bias) in shared):
             raise ValueError(f"codegen.nn.offload: {n}.weight is shared with another module "
-                             "(a tied embedding?); leave it out with filter=")
+                             "(a tied embedding or Linear); leave it out with filter=")
         if m.weight.dtype not in ir.DTYPE_NAMES:
             raise ValueError(f"codegen.nn.offload: {n}.weight is {m.weight.dtype}; offloaded "
                              f"weights must be one of {', '.join(ir.DTYPE_NAMES.values())}")
-    tensors = [t for _, m in chosen for t in (m.weight, m.bias) if t is not None]
-    offsets, total = [], 0
-    for t in tensors:
-        offsets.append(total)
-        total += -(-t.numel() * t.element_size() // ALIGN) * ALIGN
+    total = sum(-(-t.numel() * t.element_size() // ALIGN) * ALIGN
+                for _, m in chosen for t in (m.weight, m.bias) if t is not None)
     arena = Arena(torch.empty(total, dtype=torch.uint8), pinned=False)
     arena.pinned = _pin(arena.storage) if device.type == "cuda" else False
-    views: dict[int, torch.Tensor] = {}
-    for t, off in zip(tensors, offsets):
-        nbytes = t.numel() * t.element_size()
-        view = arena.storage[off:off + nbytes].view(t.dtype).view(t.shape)
-        view.copy_(t.detach())
-        views[id(t)] = view
     state = _State(arena, device, slices, pool_size, verbose)
-    offloaded = set(views)
-    for _, m in chosen:
-        m.weight = nn.Parameter(views[id(m.weight)], requires_grad=m.weight.requires_grad)
-        if m.bias is not None:
-            m.bias = nn.Parameter(views[id(m.bias)], requires_grad=m.bias.requires_grad)
-        offloaded |= {id(m.weight)} | ({id(m.bias)} if m.bias is not None else set())
+    offloaded: set[int] = set()
+    offset = 0
+    for _, m in chosen:  # each original is dropped as soon as its copy is in the arena
+        for key in ("weight", "bias"):
+            t = getattr(m, key)
+            if t is None:
+                continue
+            nbytes = t.numel() * t.element_size()
+            view = arena.storage[offset:offset + nbytes].view(t.dtype).view(t.shape)
+            view.copy_(t.detach())
+            offset += -(-nbytes // ALIGN) * ALIGN
+            setattr(m, key, nn.Parameter(view, requires_grad=t.requires_grad))
+            offloaded.add(id(getattr(m, key)))
+            del t
         m.__class__ = OffloadedLinear
         m._codegen = state  # type: ignore[attr-defined]
     for module in model.modules():

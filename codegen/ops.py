@@ -282,7 +282,7 @@ def _gelu_check(t: Mapping[str, Any], attrs: Attrs) -> None:
 
 
 def _cast_check(t: Mapping[str, Any], attrs: Attrs) -> None:
-    if attrs["dtype"] not in DTYPE_NAMES:
+    if not isinstance(attrs["dtype"], torch.dtype) or attrs["dtype"] not in DTYPE_NAMES:
         raise ScheduleError(
             f"cast: dtype must be one of torch.{', torch.'.join(DTYPE_NAMES.values())}, got "
             f"{attrs['dtype']!r}")

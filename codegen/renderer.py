@@ -209,16 +209,33 @@ def _message(*parts: str) -> str:
 # ---------------------------------------------------------------------------- prepare
 
 
+def _gemm_operands(program: hir.HostProgram) -> set[str]:
+    """The tensors a GEMM reads, directly or through views (slices, staging, blocks)."""
+    root: dict[str, str] = {}
+    for n in program.nodes():
+        if not isinstance(n, hir.Allocate) and n.defines() and n.uses():
+            for d in n.defines():
+                root[d] = root.get(n.uses()[0], n.uses()[0])
+    found: set[str] = set()
+    for n in program.nodes():
+        if isinstance(n, hir.Compute) and n.gemm is not None:
+            found |= {root.get(a, a) for a in n.gemm.args if isinstance(a, str)}
+        elif isinstance(n, distributed.Communication):  # collectives read their views too
+            found |= {root.get(u, u) for u in n.uses()}
+    return found
+
+
 def _layout_checks(program: hir.HostProgram, t: hir.TensorInfo, names: _Names,
                    ) -> list[dict[str, str]]:
     """The layout checks of input ``t``. cuBLAS reads a GPU input in place, so its layout
     must suit cuBLAS (``rt::check_matrix``). A host input is read only through its copies
     into dense GPU memory (copy.h), so its layout must suit them (``rt::check_copyable``):
     as a whole where it is copied whole, and as its slices (a full one and the last)
-    for each way a stream loop slices it."""
+    for each way a stream loop slices it. A GPU input only pointwise kernels read needs
+    no check: they take any strides."""
     check = {"name": names(t.name), "arg": _cstr(t.name), "check": "check_matrix", "slices": ""}
     if t.device != "cpu":
-        return [check]
+        return [check] if t.name in _gemm_operands(program) else []
     check["check"] = "check_copyable"
     ways: list[str] = []
     for n in program.nodes():
@@ -471,6 +488,8 @@ class _Statements:
             inputs = ", ".join(self.names(v) for v in n.expr.leaves())
             return {"kind": "Pointwise", "kernel": kernel, "out": self.names(n.out),
                     "inputs": inputs, "range": self.range(n)}
+        if any(isinstance(a, hir.Apply) for a in gemm.args):
+            raise InternalError(f"{n}: a GEMM's operands must be values\n{self.program}")
         args = [self.names(a) for a in gemm.args if isinstance(a, str)]
         epilogue = n.epilogue
         if epilogue is not None:

@@ -260,12 +260,18 @@ def test_fusion_rules():
     assert computes(lowered(cast_inside)) == \
         ["Cast(T0, dtype=bfloat16, out=T1)", "Silu(T1, out=T2)"]
 
-    def chain():
-        a, b = cg.input([4, 5]), cg.input([4, 5])
-        return [cg.cast(cg.add(cg.silu(a), cg.mul(a, b)), torch.float64)]
+    def chain_to(dtype):
+        def build():
+            a, b = cg.input([4, 5]), cg.input([4, 5])
+            return [cg.cast(cg.add(cg.silu(a), cg.mul(a, b)), dtype)]
+        return build
 
-    assert computes(lowered(chain)) == \
-        ["Cast(Add(Silu(T0), Mul(T0, T1)), dtype=float64, out=T5)"]
+    # Narrowing: the fp32 sum is rounded once, to bf16, in one kernel.
+    assert computes(lowered(chain_to(torch.bfloat16))) == \
+        ["Cast(Add(Silu(T0), Mul(T0, T1)), dtype=bfloat16, out=T5)"]
+    # Widening: computing the sum in fp64 would skip its fp32 rounding: two nodes.
+    assert computes(lowered(chain_to(torch.float64))) == \
+        ["Add(Silu(T0), Mul(T0, T1), out=T4)", "Cast(T4, dtype=float64, out=T5)"]
 
 
 def test_fused_kernel_source():
@@ -407,3 +413,101 @@ def test_gpu_resident_programs_keep_one_set_of_workers(copy_stream):
 def test_with_a_copy_stream_the_second_loop_keeps_the_first_set():
     text = str(cg.lower(examples.llama_mlp(torch.float32, 8, "cpu"), copy_stream=True))
     assert "Stream(4 +" not in text and text.count("SetCurrentStream(CopyStream)") == 3
+
+
+# ---------------------------------------------------------------------------- found in review
+
+
+def test_a_pointwise_op_before_a_gemm_stays_out_of_its_operands():
+    """add -> matmul -> relu in one loop: the relu becomes the GEMM's epilogue, the add
+    stays a kernel of its own (a GEMM's operands are values, never expressions)."""
+    with cg.Fusion("residual") as fusion:
+        x, y, w = cg.input(["m", "k"]), cg.input(["m", "k"]), cg.input(["k", "n"])
+        out = cg.relu(cg.matmul(cg.add(x, y), w))
+        cg.output(out)
+    _split(out, 0, 2)
+    program = cg.lower(fusion)
+    computes = [str(n) for n in program.nodes() if isinstance(n, hir.Compute)]
+    assert computes == ["Add(T0_i, T1_i, out=T3_i)", "Relu(Matmul(T3_i, T2), out=T5_i)"]
+    xs = [ints(6, 3), ints(6, 3), ints(3, 4)]
+    (got,) = cg.evaluate(program, xs)
+    assert torch.equal(got, torch.relu((xs[0] + xs[1]) @ xs[2]))
+    assert "gemms.matmul(T5_i, T3_i, T2, rt::Epilogue::Relu, streams.current());" \
+        in cg.render(program)
+    bad = program.replace(body=[dataclasses.replace(n, body=[
+        hir.Compute.of(hir.Apply("relu", (hir.Apply("matmul", (
+            hir.Apply("add", ("T0_i", "T1_i")), "T2")),)), "T5_i")
+        if isinstance(c, hir.Compute) and c.out == "T5_i" else c for c in n.body])
+        if isinstance(n, hir.ForLoop) and n.parallel is cg.ParallelType.Stream else n
+        for n in program.body])
+    with pytest.raises(cg.InternalError, match="a GEMM's operands must be values"):
+        hir.verify(bad)
+
+
+def test_a_top_level_epilogue_fuses_although_its_input_is_freed_after_the_gemm():
+    with cg.Fusion("top") as fusion:
+        x, y, w = cg.input([4, 3]), cg.input([4, 3]), cg.input([3, 5])
+        cg.output(cg.relu(cg.matmul(cg.add(x, y), w)))
+    program = cg.lower(fusion)
+    assert [str(n) for n in program.nodes()] == [
+        "T3 = Allocate(float32[4, 3])", "Add(T0, T1, out=T3)", "T5 = Allocate(float32[4, 5])",
+        "Relu(Matmul(T3, T2), out=T5)", "Deallocate(T3)"]
+    xs = [ints(4, 3), ints(4, 3), ints(3, 5)]
+    assert torch.equal(cg.evaluate(program, xs)[0], torch.relu((xs[0] + xs[1]) @ xs[2]))
+
+
+def test_a_widening_cast_keeps_its_producers_rounding():
+    """Cast(Mul(a, b)) of bf16 a, b to fp32 is not one fp32 kernel: that would skip the
+    bf16 rounding of the product that torch does (17 * 17 = 289 rounds to 288)."""
+    with cg.Fusion("widen") as fusion:
+        a, b = cg.input(["n"], torch.bfloat16), cg.input(["n"], torch.bfloat16)
+        cg.output(cg.cast(cg.mul(a, b), torch.float32))
+    program = cg.lower(fusion)
+    xs = [torch.tensor([17.0, 16.0]).bfloat16()] * 2
+    assert cg.evaluate(program, xs)[0].tolist() == (xs[0] * xs[1]).float().tolist() \
+        == [288.0, 256.0]
+    assert "Cast(T2, dtype=float32, out=T3)" in str(program)
+
+
+def test_host_output_loop_after_copy_stream_loops_keeps_its_staging():
+    with cg.Fusion("three_loops") as fusion:
+        x = cg.input(["m", "k"], device="cpu")
+        a = cg.relu(x)
+        b = cg.add(a, x)
+        c = cg.relu(b)
+        cg.output(c, device="cpu")
+    _split(a, 0, 2)
+    _split(b, 1, 2)
+    _split(c, 0, 3)
+    for copy_stream in (False, True):
+        program = cg.lower(fusion, copy_stream=copy_stream)
+        x_ = ints(5, 4)
+        races.check(program, [x_])
+        (got,) = cg.evaluate(program, [x_])
+        assert torch.equal(got, torch.relu(torch.relu(x_) + x_))
+
+
+def test_a_dead_loop_beside_a_live_one_is_dropped_with_its_copies():
+    """Both loops name their slice of x ``T0_i``; the dead one's goes with its loop."""
+    with cg.Fusion("dead_beside") as fusion:
+        x = cg.input(["m", "k"], device="cpu")
+        dead = cg.relu(x)
+        out = cg.relu(x)
+        cg.output(out)
+    _split(dead, 0, 3)
+    _split(out, 0, 2)
+    for copy_stream in (False, True):
+        program = cg.lower(fusion, pool_size=2, copy_stream=copy_stream)
+        assert sum(isinstance(n, hir.Copy) for n in program.nodes()) == 1
+        assert len(_loops(program)) == 1
+        x_ = ints(5, 4)
+        assert torch.equal(cg.evaluate(program, [x_])[0], torch.relu(x_))
+
+
+def test_an_input_only_kernels_read_gets_no_cublas_layout_check():
+    with cg.Fusion("strided") as fusion:
+        a, w = cg.input(["m", "k"]), cg.input(["k", "n"])
+        cg.output(cg.matmul(cg.relu(a), w))
+    source = cg.render(cg.lower(fusion))
+    assert "rt::check_matrix(w," not in source and "rt::check_matrix(T1, op" in source
+    assert "rt::check_matrix(T0, op" not in source

@@ -183,11 +183,11 @@ def test_mlp_graph_capture_replays(cache_dir):
 
 @pytest.mark.parametrize("copy_stream", [False, True])
 def test_host_weights_cost_at_most_their_staging_slots(copy_stream, cache_dir):
-    """Streaming the weights from host memory adds the staging slots to a call's peak device
-    memory (the slots of both loops are alive together), never a whole weight. Measured on
-    the H200: the slots (3.0 MiB here) plus 0.25 MiB, the size of the output, in both
-    modes; why the output's block adds to the host program's peak and not to the GPU one's
-    is not understood yet, so the bound allows it and no more."""
+    """Streaming the weights from host memory adds at most the staging slots to a call's
+    peak device memory (the slots of both loops are alive together), never a whole weight.
+    (Measured once at slots + 0.25 MiB, the output's size: the gate and up results were
+    freed only at the exit while the second loop's workers or the copy stream had
+    unjoined work; Streams::release frees at the Deallocate now.)"""
     m, h, i, slices, pool = 256, 512, 2048, 8, 4
     xs = _randn([(m, h), (i, h), (i, h), (h, i)], torch.bfloat16)
     host = [xs[0]] + [t.cpu().pin_memory() for t in xs[1:]]
@@ -198,6 +198,4 @@ def test_host_weights_cost_at_most_their_staging_slots(copy_stream, cache_dir):
     slots = pool * (i // slices * h * 2) * 2 + pool * (h // slices * i * 2)
     extra = _peak_extra_mib(lambda: host_op(*host)) - _peak_extra_mib(lambda: gpu_op(*xs))
     weights = 3 * i * h * 2 / 2**20
-    output = m * h * 2 / 2**20
-    assert extra <= slots / 2**20 + output + 0.01, (extra, slots / 2**20, weights)
-    assert extra < weights / 2
+    assert extra <= slots / 2**20 + 0.01, (extra, slots / 2**20, weights)

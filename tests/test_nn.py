@@ -99,3 +99,29 @@ def test_bad_arguments():
     lin = codegen.nn.offload(nn.Sequential(nn.Linear(4, 3)), device="cpu")
     with pytest.raises(ValueError, match="weight is torch.float32, its input torch.float64"):
         lin(torch.zeros(2, 4, dtype=torch.float64))
+
+
+def test_linear_subclasses_attention_and_tied_linears_stay():
+    """Exactly nn.Linear is offloaded: a subclass keeps its own forward, the Linear inside
+    nn.MultiheadAttention (whose weight attention reads itself) stays, and two Linears
+    sharing one weight stay tied."""
+
+    class Scaled(nn.Linear):
+        def forward(self, x):
+            return 2 * super().forward(x)
+
+    a, b = nn.Linear(8, 8), nn.Linear(8, 8)
+    b.weight = a.weight
+    model = nn.ModuleDict({"scaled": Scaled(8, 8), "mha": nn.MultiheadAttention(8, 2),
+                           "a": a, "b": b, "plain": nn.Linear(8, 4)})
+    codegen.nn.offload(model, device="cpu")
+    offloaded = [n for n, m in model.named_modules()
+                 if isinstance(m, codegen.nn.OffloadedLinear)]
+    assert offloaded == ["plain"]
+    assert type(model["scaled"]) is Scaled and model["a"].weight is model["b"].weight
+    with pytest.raises(ValueError, match="scaled is a Scaled, not an nn.Linear"):
+        codegen.nn.offload(nn.ModuleDict({"scaled": Scaled(8, 8)}), device="cpu",
+                           filter=lambda name, m: True)
+    with pytest.raises(ValueError, match="a.weight is shared with another module"):
+        codegen.nn.offload(nn.ModuleDict({"a": a, "b": b}), device="cpu",
+                           filter=lambda name, m: name == "a")

@@ -102,11 +102,18 @@ def draw_layer(rng: random.Random):
     of the output's shape or of a bias, a cast through float64 and back), scheduled on a
     random tensor of the chain: the split propagates through the elementwise ops both
     ways and the fusion pass merges what it can."""
+    steps: list[str] = []
     with cg.Fusion("random_layer") as fusion:
         ins = [cg.input(["m", "k"]), cg.input(["n", "k"])]
-        t = cg.linear(*ins)
+        first = ins[0]
+        if rng.random() < 0.3:  # a pointwise op before the GEMM (a residual)
+            ins.append(cg.input(["m", "k"]))
+            first = cg.add(ins[0], ins[2])
+        t = cg.linear(first, ins[1])
+        if rng.random() < 0.3:  # an activation after it (the GEMM's epilogue)
+            t = cg.relu(t)
+            steps.append("relu")
         chain = [t]
-        steps = []
         for _ in range(rng.randint(1, 4)):
             step = rng.choice(["add", "mul", "add_bias", "mul_bias", "cast"])
             if step == "cast":
@@ -127,11 +134,13 @@ def draw_layer(rng: random.Random):
     return fusion, steps, shapes
 
 
-def reference(steps, xs):
-    t = torch.nn.functional.linear(xs[0], xs[1])
-    others = iter(xs[2:])
+def reference(steps, xs, residual):
+    t = torch.nn.functional.linear(xs[0] + xs[2] if residual else xs[0], xs[1])
+    others = iter(xs[3:] if residual else xs[2:])
     for step in steps:
-        if step == "cast":
+        if step == "relu":
+            t = torch.relu(t)
+        elif step == "cast":
             t = t.double().float()
         else:
             t = t + next(others) if step.startswith("add") else t * next(others)
@@ -146,7 +155,9 @@ def test_random_layer_matches_torch_and_is_ordered(seed):
     xs = [ints(*s, lo=-3, hi=4) for s in shapes]
     races.check(program, xs)
     (out,) = cg.evaluate(program, xs)
-    expect = reference(steps, xs)
+    residual = any(op.defn.name == "add" and op.args.get("a") is fusion.inputs[0]
+                   for op in fusion.ops)
+    expect = reference(steps, xs, residual)
     assert torch.equal(out, expect), (steps, shapes, str(program))
 
 

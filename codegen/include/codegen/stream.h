@@ -287,15 +287,15 @@ class Streams {
   }
 
   // The host program's Deallocate: `t` gives its memory back to the caching allocator now
-  // (on the caller's stream, where it was allocated) if the caller's stream is current
-  // and has waited for every worker since they last got work, which the host IR
-  // guarantees (it frees after the join; codegen.races checks it). Otherwise the memory
-  // stays kept until the exit's join, as if never freed: late, never early.
+  // (on the caller's stream, where it was allocated) when the caller's stream is current.
+  // The host IR frees a tensor only where every stream that used it is ordered before the
+  // caller's stream (after the join of its loop; codegen.races checks it), while other
+  // streams may still run work that does not touch it (a loop's copies running ahead, the
+  // copy stream): waiting for every worker here would keep such tensors to the exit.
+  // Anywhere else (never in the host IR's programs) the memory stays kept until the exit.
   template <typename T>
   void release(T& t) {
-    const bool joined = current_.handle == caller_.handle &&
-                        std::find(dirty_.begin(), dirty_.end(), 1) == dirty_.end();
-    if (joined) {
+    if (current_.handle == caller_.handle) {
       const AtenTensorHandle handle = tensor_of(t).get();
       for (size_t k = 0; k < kept_.size(); ++k) {
         if (kept_[k].get() == handle) {
