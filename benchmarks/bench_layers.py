@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 import codegen as cg
-from benchmarks.gpu_timing import Block, estimate_ms, host_sample, warm_up
+from benchmarks.gpu_timing import Block, estimate_ms, host_sample, peak_mib, warm_up
 from benchmarks.interleave import ratio_fields, reps_for, rotated
 from codegen import examples
 
@@ -48,18 +48,6 @@ def gpt_eager(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor, w2: torch.Ten
               b2: torch.Tensor) -> torch.Tensor:
     """A GPT-2 MLP: c_proj(gelu_new(c_fc(x)))."""
     return F.linear(F.gelu(F.linear(x, w1, b1), approximate="tanh"), w2, b2)
-
-
-def peak_mib(fn: Any) -> float:
-    """Peak device memory of one call above what was allocated before it."""
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    out = fn()
-    torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated() - base
-    del out
-    return peak / 2**20
 
 
 def interleaved(variants: dict[str, Any], rounds: int) -> dict[str, list[float]]:

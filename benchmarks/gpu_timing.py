@@ -128,3 +128,16 @@ def capture_graph(fn: Callable[[], Any]) -> tuple[torch.cuda.CUDAGraph, Any]:
         out = fn()
     torch.cuda.synchronize()
     return graph, out
+
+
+def peak_mib(fn: Callable[[], Any]) -> float:
+    """Peak device memory of one call of ``fn`` above what was allocated before it, MiB
+    (the result is dropped after the measurement)."""
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    out = fn()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    del out
+    return peak / 2**20

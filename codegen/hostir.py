@@ -942,7 +942,7 @@ def _fused(f: _Fusion, program: HostProgram) -> Compute | None:
         return None
     if p.defn.is_pointwise and p.defn is not ops.CAST:
         if c.defn is ops.CAST:
-            dtypes = _value_dtypes(program)
+            dtypes = value_dtypes(program)
             compute = ops.compute_dtype([dtypes[v] for v in
                                          [*f.consumer.uses(), *f.producer.uses()]])
             if dtypes[f.value] != compute:
@@ -960,7 +960,7 @@ def _fused(f: _Fusion, program: HostProgram) -> Compute | None:
     return None
 
 
-def _value_dtypes(program: HostProgram) -> dict[str, torch.dtype]:
+def value_dtypes(program: HostProgram) -> dict[str, torch.dtype]:
     """The dtype of each tensor value: inputs and allocations as declared, a view as the
     tensor it views."""
     dtype = {t.name: t.dtype for t in program.inputs}

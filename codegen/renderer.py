@@ -312,21 +312,6 @@ def _devices(program: hir.HostProgram) -> dict[str, str]:
     return where
 
 
-def _dtypes(program: hir.HostProgram) -> dict[str, torch.dtype]:
-    """The dtype of each tensor value: inputs and allocations as declared, a view as the
-    tensor it views."""
-    dtype = {t.name: t.dtype for t in program.inputs}
-    for n in program.nodes():
-        if isinstance(n, hir.Allocate):
-            dtype[n.out.name] = n.out.dtype
-            continue
-        viewed = getattr(n, "stage", None) or getattr(n, "tensor", None)
-        for d in n.defines():
-            if isinstance(viewed, str) and viewed in dtype:
-                dtype[d] = dtype[viewed]
-    return dtype
-
-
 # The storage and compute types of pointwise kernels (codegen/include/codegen/pointwise.h).
 _C_TYPES = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "float",
             torch.float64: "double"}
@@ -359,7 +344,7 @@ class _Statements:
         self.base: dict[str, str] = {}
         self.rank = {t.name: len(t.shape) for t in program.inputs}
         self.rank |= {name: len(t.shape) for name, t in self.allocations.items()}
-        self.dtypes = _dtypes(program)
+        self.dtypes = hir.value_dtypes(program)
         # One rt::Gemms per dtype of the program's GEMMs (its types are read once a call).
         gemm_dtypes = list(dict.fromkeys(self.dtypes[n.out] for n in program.nodes()
                                          if isinstance(n, hir.Compute) and n.gemm))

@@ -141,15 +141,10 @@ def test_epilogue_and_its_fallback(library, cache_dir):
     _close(op(*xs), F.gelu(F.linear(*xs), approximate="tanh"), torch.bfloat16)
 
 
-def _peak_extra_mib(fn):
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    out = fn()
-    torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated() - base
-    del out
-    return peak / 2**20
+def peak_mib(fn):
+    from benchmarks.gpu_timing import peak_mib as measure  # run from the checkout's root
+
+    return measure(fn)
 
 
 def test_peak_memory_at_most_eager(cache_dir):
@@ -160,8 +155,8 @@ def test_peak_memory_at_most_eager(cache_dir):
     xs = _randn([(m, h), (i, h), (i, h), (h, i)], torch.bfloat16)
     op = cg.compile(examples.llama_mlp(torch.bfloat16, 4, name="llama_mlp_peak"))
     op(*xs)  # streams, workspaces and kernels are made on the first call
-    eager = _peak_extra_mib(lambda: llama_ref(*xs))
-    ours = _peak_extra_mib(lambda: op(*xs))
+    eager = peak_mib(lambda: llama_ref(*xs))
+    ours = peak_mib(lambda: op(*xs))
     intermediate = m * i * 2 / 2**20
     assert ours <= eager + 0.01, (ours, eager)
     # gate, up and the product (3 intermediates), then the output: never all at once.
@@ -196,6 +191,6 @@ def test_host_weights_cost_at_most_their_staging_slots(copy_stream, cache_dir):
                          pool_size=pool, copy_stream=copy_stream)
     gpu_op(*xs), host_op(*host)  # streams, workspaces and kernels first
     slots = pool * (i // slices * h * 2) * 2 + pool * (h // slices * i * 2)
-    extra = _peak_extra_mib(lambda: host_op(*host)) - _peak_extra_mib(lambda: gpu_op(*xs))
+    extra = peak_mib(lambda: host_op(*host)) - peak_mib(lambda: gpu_op(*xs))
     weights = 3 * i * h * 2 / 2**20
     assert extra <= slots / 2**20 + 0.01, (extra, slots / 2**20, weights)
