@@ -5,10 +5,10 @@
     model(x)                                         # or model.generate(...)
     codegen.nn.report(model)                         # what the last forward moved
 
-Every ``nn.Linear`` of the model (``filter`` may narrow that) keeps its weight and bias in
-one pinned host arena of exactly their size (one allocation registered with
-``cudaHostRegister``, not one pinned tensor per weight: PyTorch's pinned allocator rounds
-each block up to a power of two), and runs its forward through one compiled host program,
+Every module of class exactly ``nn.Linear`` (``filter`` may narrow that; subclasses and
+shared weights stay) keeps its weight and bias in one pinned host arena of exactly their
+size (one allocation registered with ``cudaHostRegister``, not one pinned tensor per
+weight: PyTorch's pinned allocator rounds each block up to a power of two), and runs its forward through one compiled host program,
 ``linear(x, w, bias)`` with ``w`` in host memory: the weight's row blocks are copied into
 staging slots on the slices' streams under the GEMMs of the slices before them, so the GPU
 holds ``min(slices, pool_size)`` slices of a weight at a time, never the whole of it. The
