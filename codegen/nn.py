@@ -8,15 +8,15 @@
 Every module of class exactly ``nn.Linear`` (``filter`` may narrow that; subclasses and
 shared weights stay) keeps its weight and bias in one pinned host arena of exactly their
 size (one allocation registered with ``cudaHostRegister``, not one pinned tensor per
-weight: PyTorch's pinned allocator rounds each block up to a power of two), and runs its forward through one compiled host program,
-``linear(x, w, bias)`` with ``w`` in host memory: the weight's row blocks are copied into
-staging slots on the slices' streams under the GEMMs of the slices before them, so the GPU
-holds ``min(slices, pool_size)`` slices of a weight at a time, never the whole of it. The
-rest of the model (embeddings, norms, attention math, and Linears the filter leaves out)
-moves to the GPU. The modules stay ``nn.Linear`` (their class becomes
-:class:`OffloadedLinear`, a subclass), so transformers models work unchanged,
-``generate()`` included. One program serves every Linear of a dtype (its extents are
-symbolic), built once per cache.
+weight: PyTorch's pinned allocator rounds each block up to a power of two), and runs its
+forward through one compiled host program, ``linear(x, w, bias)`` with ``w`` in host
+memory: the weight's row blocks are copied into staging slots on the slices' streams under
+the GEMMs of the slices before them, so the GPU holds ``min(slices, pool_size)`` slices of
+a weight at a time, never the whole of it. The rest of the model (embeddings, norms,
+attention math, and Linears the filter leaves out) moves to the GPU. The modules stay
+``nn.Linear`` (their class becomes :class:`OffloadedLinear`, a subclass), so transformers
+models work unchanged, ``generate()`` included. One program serves every Linear of a dtype
+(its extents are symbolic), built once per cache.
 
 What it does not do (yet): prefetch across ops (the first copies of the next Linear start
 when that Linear is called, not under the Linear before it: today's ``three ops`` rows in
