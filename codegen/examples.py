@@ -146,9 +146,10 @@ def _weights(what: str, weights: str) -> str:
     return weights
 
 
-def _check_slices(what: str, slices: int) -> None:
-    if isinstance(slices, bool) or not isinstance(slices, int) or slices < 1:
-        raise ScheduleError(f"{what}: slices must be an int >= 1, got {slices!r}")
+def _check_positive(what: str, **values: int) -> None:
+    for arg, value in values.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ScheduleError(f"{what}: {arg} must be an int >= 1, got {value!r}")
 
 
 def llama_mlp(dtype: torch.dtype = torch.bfloat16, slices: int = 4, weights: str = "cuda",
@@ -162,7 +163,7 @@ def llama_mlp(dtype: torch.dtype = torch.bfloat16, slices: int = 4, weights: str
     slices: gate and up by the intermediate's slices, down by slices of its output
     columns (``h``) in a second loop, whose first copies run under the first loop's
     GEMMs when the program has a copy stream (``hostir.hoist_staging``)."""
-    _check_slices("llama_mlp", slices)
+    _check_positive("llama_mlp", slices=slices)
     device = _weights("llama_mlp", weights)
     with Fusion(name) as fusion:
         x = ir.input(["m", "h"], dtype, name="x")
@@ -188,7 +189,7 @@ def gpt_mlp(dtype: torch.dtype = torch.bfloat16, slices: int = 4, weights: str =
     fc1's bias and the tanh-GELU run in its cuBLASLt epilogue; fc2 reduces over the
     intermediate, after the loop. ``weights="cpu"``: weights and biases in host memory,
     streamed in by slices as for ``llama_mlp``."""
-    _check_slices("gpt_mlp", slices)
+    _check_positive("gpt_mlp", slices=slices)
     device = _weights("gpt_mlp", weights)
     with Fusion(name) as fusion:
         x = ir.input(["m", "h"], dtype, name="x")
@@ -208,9 +209,7 @@ def gpt_mlp(dtype: torch.dtype = torch.bfloat16, slices: int = 4, weights: str =
 
 
 def _check_tp_args(what: str, slices: int, world_size: int) -> DeviceMesh:
-    for arg, value in (("slices", slices), ("world_size", world_size)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ScheduleError(f"{what}: {arg} must be an int >= 1, got {value!r}")
+    _check_positive(what, slices=slices, world_size=world_size)
     return DeviceMesh(world_size)
 
 

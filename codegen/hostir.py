@@ -408,21 +408,19 @@ class StreamSynchronize(Node):
 
 @dataclasses.dataclass(frozen=True)
 class Event:
-    """Event ``position(i)`` of an event array made by ``CreateEvents``: ``T1_free[i % 4]``.
+    """Event ``slot`` of an event array made by ``CreateEvents``: ``T1_free[i % 4]``.
     Recorded on one stream, waited for on another: the waiting stream is then ordered
     after exactly the work queued before the record, not after everything its stream
     got later (what ``Synchronize`` waits for)."""
 
     name: str
-    index: str
-    pool: int | None = None
+    slot: Stream  # which event of the array: the staging slot it guards
 
     def position_str(self) -> str:
-        return f"{self.index} % {self.pool}" if self.pool else self.index
+        return self.slot.slot_str()
 
     def position(self, env: Mapping[str, int]) -> int:
-        k = env[self.index]
-        return k % self.pool if self.pool else k
+        return self.slot.slot(env)
 
     def __str__(self) -> str:
         return f"{self.name}[{self.position_str()}]"
@@ -782,7 +780,7 @@ def insert_fork_join(program: HostProgram) -> HostProgram:
     return out
 
 
-def _roots(program: HostProgram) -> dict[str, str]:
+def view_roots(program: HostProgram) -> dict[str, str]:
     """Each view (a slice, a staging slot, an unflattened block) -> the tensor it views."""
     root: dict[str, str] = {}
     for n in program.nodes():
@@ -798,7 +796,7 @@ def _live_values(program: HostProgram) -> set[str]:
     """The tensors whose values the program's outputs depend on: the outputs, what each
     compute node or copy that writes a live tensor reads, and what every other node
     uses (communications, views and stream nodes are kept as they are)."""
-    root = _roots(program)
+    root = view_roots(program)
     live = set(program.outputs)
     nodes = [n for n in program.nodes() if not isinstance(n, (ForLoop, Deallocate))]
     while True:
@@ -831,7 +829,7 @@ def remove_dead_code(program: HostProgram) -> HostProgram:
 
 def _remove_dead_code_once(program: HostProgram) -> HostProgram:
     live_values = _live_values(program)
-    root = _roots(program)
+    root = view_roots(program)
 
     def dead_write(n: Node) -> bool:
         return isinstance(n, (Compute, Copy)) and \
@@ -942,10 +940,10 @@ def _fused(f: _Fusion, program: HostProgram) -> Compute | None:
         return None
     if p.defn.is_pointwise and p.defn is not ops.CAST:
         if c.defn is ops.CAST:
-            dtypes = value_dtypes(program)
-            compute = ops.compute_dtype([dtypes[v] for v in
+            infos = value_infos(program)
+            compute = ops.compute_dtype([infos[v].dtype for v in
                                          [*f.consumer.uses(), *f.producer.uses()]])
-            if dtypes[f.value] != compute:
+            if infos[f.value].dtype != compute:
                 return None
 
         def inline(e: Apply) -> Apply:
@@ -960,19 +958,11 @@ def _fused(f: _Fusion, program: HostProgram) -> Compute | None:
     return None
 
 
-def value_dtypes(program: HostProgram) -> dict[str, torch.dtype]:
-    """The dtype of each tensor value: inputs and allocations as declared, a view as the
-    tensor it views."""
-    dtype = {t.name: t.dtype for t in program.inputs}
-    for n in program.nodes():
-        if isinstance(n, Allocate):
-            dtype[n.out.name] = n.out.dtype
-            continue
-        viewed = n.uses()[0] if n.uses() else None
-        for d in n.defines():
-            if viewed in dtype:
-                dtype[d] = dtype[viewed]
-    return dtype
+def value_infos(program: HostProgram) -> dict[str, TensorInfo]:
+    """Each tensor value -> the tensor it is or views (``view_roots``), as declared: so a
+    slice has its tensor's dtype and device, a staging slot its stage's (the GPU)."""
+    infos = {t.name: t for t in program.inputs} | program.allocations()
+    return infos | {v: infos[r] for v, r in view_roots(program).items() if r in infos}
 
 
 def _fuse(nodes: list[Node], t: str, f: _Fusion) -> list[Node]:
@@ -1261,7 +1251,7 @@ def queue_copies_in(program: HostProgram) -> HostProgram:
         waits: list[Node] = []
         if worker.pool:  # slots are reused: Stream(i % pool)
             for slot in (n for n in moved if isinstance(n, StagingSlot)):
-                event = Event(f"{slot.stage}_free", loop.index, pool)
+                event = Event(f"{slot.stage}_free", slot.slot)
                 created[slot.stage] = CreateEvents(event.name, stream_count(loop, pool))
                 waits.append(WaitEvent(event))
                 readers = [k for k, n in enumerate(rest) if slot.out in n.uses()]

@@ -116,16 +116,12 @@ def attr_str(value: object) -> str:
     return str(value)
 
 
-def _dtype_name(t: torch.dtype) -> str:
-    return DTYPE_NAMES.get(t, str(t))
-
-
 def same_dtype(op: str) -> Callable[[Mapping[str, Any], Attrs], torch.dtype]:
     """The dtype rule of ops whose operands share one dtype, which the result has."""
 
     def rule(tensors: Mapping[str, Any], attrs: Attrs) -> torch.dtype:
         if len({t.dtype for t in tensors.values()}) > 1:
-            found = ", ".join(f"{k}={t.name} is {_dtype_name(t.dtype)}"
+            found = ", ".join(f"{k}={t.name} is {attr_str(t.dtype)}"
                               for k, t in tensors.items())
             raise ScheduleError(f"{op}: all operands must have one dtype, found {found}; "
                                 "convert one with cg.cast")

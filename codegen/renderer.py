@@ -211,11 +211,7 @@ def _message(*parts: str) -> str:
 
 def _gemm_operands(program: hir.HostProgram) -> set[str]:
     """The tensors a GEMM reads, directly or through views (slices, staging, blocks)."""
-    root: dict[str, str] = {}
-    for n in program.nodes():
-        if not isinstance(n, hir.Allocate) and n.defines() and n.uses():
-            for d in n.defines():
-                root[d] = root.get(n.uses()[0], n.uses()[0])
+    root = hir.view_roots(program)
     found: set[str] = set()
     for n in program.nodes():
         if isinstance(n, hir.Compute) and n.gemm is not None:
@@ -297,21 +293,6 @@ def _stream(ref: hir.StreamRef) -> str:
     return f"streams.worker({ref.position_str()})"
 
 
-def _devices(program: hir.HostProgram) -> dict[str, str]:
-    """Where each tensor value lives ("cuda" or "cpu"): inputs and allocations as
-    declared, a staging slot on the GPU, any other view (a slice, an unflattened block)
-    where the tensor it views is."""
-    where = {t.name: t.device for t in program.inputs}
-    for n in program.nodes():
-        if isinstance(n, hir.Allocate):
-            where[n.out.name] = n.out.device
-            continue
-        viewed = getattr(n, "stage", None) or getattr(n, "tensor", None)
-        for d in n.defines():
-            where[d] = where.get(viewed, "cuda") if isinstance(viewed, str) else "cuda"
-    return where
-
-
 # The storage and compute types of pointwise kernels (codegen/include/codegen/pointwise.h).
 _C_TYPES = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "float",
             torch.float64: "double"}
@@ -332,7 +313,8 @@ class _Statements:
     def __init__(self, program: hir.HostProgram, names: _Names) -> None:
         self.program, self.names = program, names
         self.allocations = program.allocations()
-        self.devices = _devices(program)
+        infos = hir.value_infos(program)
+        self.devices = {v: t.device for v, t in infos.items()}
         self.stages = {n.stage for n in program.nodes() if isinstance(n, hir.StagingSlot)}
         # A GPU tensor that receives a host input whole takes that input's memory order.
         self.copied_whole = {n.out: n.src for n in program.nodes()
@@ -344,7 +326,7 @@ class _Statements:
         self.base: dict[str, str] = {}
         self.rank = {t.name: len(t.shape) for t in program.inputs}
         self.rank |= {name: len(t.shape) for name, t in self.allocations.items()}
-        self.dtypes = hir.value_dtypes(program)
+        self.dtypes = {v: t.dtype for v, t in infos.items()}
         # One rt::Gemms per dtype of the program's GEMMs (its types are read once a call).
         gemm_dtypes = list(dict.fromkeys(self.dtypes[n.out] for n in program.nodes()
                                          if isinstance(n, hir.Compute) and n.gemm))

@@ -119,18 +119,6 @@ def test_mlp_examples_refuse_bad_arguments(example):
 # ---------------------------------------------------------------------------- elementwise ops
 
 
-def _one_op(fn, shapes, dtype=torch.float32, split=None):
-    with cg.Fusion("one_op") as fusion:
-        ins = [cg.input([f"d{k}" for k in range(len(s))], dtype) for s in shapes]
-        # name each axis d<k> aligned at the end, so b [n] shares a's last extent
-        out = fn(*ins)
-        cg.output(out)
-    if split is not None:
-        out.outer_split(split, 3)
-        out.axis(split).parallelize(cg.ParallelType.Stream)
-    return fusion
-
-
 def _fusion(build, dtype=torch.float32):
     with cg.Fusion("elementwise") as fusion:
         out = build(dtype)
