@@ -55,7 +55,7 @@ from typing import Any
 
 import torch
 
-from . import collectives, distributed
+from . import autograd, collectives, distributed
 from . import hostir as hir
 from .evaluator import check_inputs, program_device
 from .renderer import (
@@ -729,13 +729,25 @@ def _no_backward() -> Callable[[bytes], int] | None:
     return register
 
 
-def _register_python_parts(program: hir.HostProgram, qualname: str,
+def differentiable(program: hir.HostProgram) -> bool:
+    """Whether ``program`` has a backward (codegen.autograd): it was lowered from a fusion
+    and does not communicate (a backward program itself has no source)."""
+    return program.source is not None and not distributed.communications(program)
+
+
+@functools.cache
+def _autograd_library() -> torch.library.Library:
+    return torch.library.Library(NAMESPACE, "IMPL")  # kept: it holds the registrations
+
+
+def _register_python_parts(program: hir.HostProgram, qualname: str, overload: Any,
                            register: Callable[[bytes], int] | None) -> None:
     """What the C++ does not register: a fake implementation (output shapes for
     FakeTensor, meta tensors and torch.compile, after the same input checks as the
-    evaluator) and an autograd kernel that says there is no backward (``register``, from
-    ``_no_backward``: torch's C++ one; a Python formula where it is None or fails).
-    Inputs that require grad (say, an nn.Parameter under inference) run forward, whoever
+    evaluator) and an autograd kernel: the backward's (``autograd.register``) for a
+    differentiable program; else one that says there is none (``register``, from
+    ``_no_backward``: torch's C++ one; a Python formula where it is None or fails), so
+    inputs that require grad (say, an nn.Parameter under inference) run forward, whoever
     calls the op, and backward fails with a message that names the op."""
     outputs = [program.allocations()[o] for o in program.outputs]
     n_inputs = len(program.inputs)
@@ -755,6 +767,9 @@ def _register_python_parts(program: hir.HostProgram, qualname: str,
             "torch.no_grad(), or with .detach()ed inputs, where gradients are not needed")
 
     torch.library.register_fake(qualname)(fake)
+    if differentiable(program):
+        autograd.register(program, qualname, overload, _autograd_library())
+        return
     if register is not None and register(qualname.split("::")[1].encode()) == 0:
         return
     if register is not None:
@@ -780,6 +795,7 @@ class CompiledOp:
         self.op = getattr(getattr(torch.ops, NAMESPACE), op_name)
         self._overload = self.op.default  # called directly: no overload resolution per call
         self._communicates = bool(distributed.communications(program))
+        self._differentiable = differentiable(program)
 
     @property
     def source(self) -> str:
@@ -797,12 +813,17 @@ class CompiledOp:
         if group is not None:
             raise TypeError(f"{self.host_ir.name}: group= is only for programs with "
                             "collectives; this one has none")
-        return self._overload(*inputs)
+        if not self._differentiable or autograd.requires_grad(inputs) or \
+                torch.compiler.is_compiling():
+            return self._overload(*inputs)
+        with _below_autograd():  # skips the Python autograd kernel: nothing to record
+            return self._overload(*inputs)
 
     def __repr__(self) -> str:
         return f"CompiledOp({self.name}, library={self.library})"
 
 
+_below_autograd = torch._C._AutoDispatchBelowAutograd
 _registered: set[str] = set()  # ops whose Python parts are registered in this process
 
 
@@ -821,7 +842,7 @@ def build(program: hir.HostProgram, source: str | None = None) -> CompiledOp:
     register = _no_backward()  # built (once) before _lock is taken: build_library takes it
     with _lock:
         if compiled.name not in _registered:
-            _register_python_parts(program, compiled.name, register)
+            _register_python_parts(program, compiled.name, compiled._overload, register)
             _registered.add(compiled.name)
     return compiled
 

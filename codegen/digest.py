@@ -13,7 +13,9 @@ every process: nothing here depends on ``hash()``, ``id()`` or the order of a se
     a dataclass           codegen.hostir.Stream(index="i", pool=4): the qualified name of
                           its class, then every field (``dataclasses.fields``, in
                           declaration order, with ``repr=False`` and ``compare=False``
-                          fields too); the extents, ``codegen.ir.Expr``, are dataclasses
+                          fields too, but not one whose metadata says ``digest: False``:
+                          a program's source fusion, which its nodes already say all of);
+                          the extents, ``codegen.ir.Expr``, are dataclasses
     a list, a tuple       [a, b], (a, b) (a one-element tuple: (a,))
     a dict                {k: v, ...} in insertion order: the order code that reads it
                           sees; equal dicts built in other orders get other texts (a
@@ -65,7 +67,8 @@ def _write(value: object, out: list[str], where: str, active: set[int]) -> None:
     elif dataclasses.is_dataclass(value) and not isinstance(value, type):
         with _entered(value, where, active):
             out.append(_qualname(kind) + "(")
-            for k, f in enumerate(dataclasses.fields(value)):
+            fields = [f for f in dataclasses.fields(value) if f.metadata.get("digest", True)]
+            for k, f in enumerate(fields):
                 out.append(f"{', ' if k else ''}{f.name}=")
                 _write(getattr(value, f.name), out, f"{where}.{f.name}", active)
             out.append(")")

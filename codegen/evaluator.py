@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from . import distributed, ops
+from . import autograd, distributed, ops
 from . import hostir as hir
 from .errors import InternalError
 from .ir import DTYPE_NAMES
@@ -325,6 +325,14 @@ def evaluate(program: hir.HostProgram, inputs: Sequence[torch.Tensor], *,
         raise TypeError(f"evaluate expects a cg.HostProgram (from cg.lower), "
                         f"got {type(program).__name__}")
     env = check_inputs(program, inputs)
+    if program.source is not None and not distributed.communications(program) and \
+            autograd.requires_grad(inputs):
+        return autograd.evaluate(program, inputs, lambda: _run(program, inputs, env, group))
+    return _run(program, inputs, env, group)
+
+
+def _run(program: hir.HostProgram, inputs: Sequence[torch.Tensor], env: dict[str, int],
+         group: object | None) -> list[torch.Tensor]:
     device = program_device(program, inputs)
     values = {t.name: x for t, x in zip(program.inputs, inputs)}
     with Streams(device) as streams, torch.no_grad():

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Iterator, Mapping
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 
@@ -490,6 +490,11 @@ class HostProgram:
     gemm_sm_count: int = 0  # SMs each GEMM may use (cuBLASLt's SM_COUNT_TARGET); 0 = all
     gemm_library: str = "cublaslt"  # one of GEMM_LIBRARIES
     copy_stream: bool = False  # host-to-device copies on one stream (queue_copies_in)
+    # The user's fusion this program was lowered from, for its backward (codegen.autograd);
+    # None for a program with no backward (a backward itself). Not part of the program:
+    # its nodes say everything it runs, so the digest and equality leave it out.
+    source: Any = dataclasses.field(default=None, compare=False, repr=False,
+                                    metadata={"digest": False})
 
     def nodes(self) -> Iterator[Node]:
         """Every node in program order, loop bodies included (pre-order)."""
@@ -952,7 +957,7 @@ def _fused(f: _Fusion, program: HostProgram) -> Compute | None:
                 for a in e.args))
         return Compute.of(inline(c), f.consumer.out)
     epilogue = c.defn.epilogue(dict(c.attrs)) if c.defn.epilogue else None
-    if p.defn.is_gemm and epilogue and c.args == (f.value,) and \
+    if p.defn.is_gemm and p.defn.epilogues and epilogue and c.args == (f.value,) and \
             program.gemm_library == "cublaslt":
         return Compute.of(dataclasses.replace(c, args=(p,)), f.consumer.out)
     return None

@@ -675,6 +675,34 @@ def cast(t: TensorView, dtype: torch.dtype) -> TensorView:
     return _define(ops_.CAST, {"dtype": dtype}, x=t)
 
 
+# The ops of gradients (codegen.autograd builds them; a definition may use them too).
+
+
+def matmul_tn(a: TensorView, b: TensorView) -> TensorView:
+    """``a.T @ b`` for 2-D ``a [k, m]`` and ``b [k, n]``: a contraction over both rows."""
+    return _define(ops_.MATMUL_TN, a=a, b=b)
+
+
+def sum_rows(t: TensorView) -> TensorView:
+    """``t.sum(0)`` of a 2-D ``t``."""
+    return _define(ops_.SUM_ROWS, x=t)
+
+
+def silu_grad(dy: TensorView, x: TensorView) -> TensorView:
+    """``dy * silu'(x)`` (torch's silu_backward)."""
+    return _define(ops_.SILU_GRAD, a=dy, b=x)
+
+
+def gelu_grad(dy: TensorView, x: TensorView, approximate: str = "none") -> TensorView:
+    """``dy * gelu'(x)`` (torch's gelu_backward)."""
+    return _define(ops_.GELU_GRAD, {"approximate": approximate}, a=dy, b=x)
+
+
+def relu_grad(dy: TensorView, x: TensorView) -> TensorView:
+    """``dy`` where ``x > 0``, else 0 (torch's threshold_backward at 0)."""
+    return _define(ops_.RELU_GRAD, a=dy, b=x)
+
+
 def output(t: TensorView, device: str = "cuda") -> None:
     """Marks ``t`` as an output of the fusion (the op returns outputs in this order).
     ``device="cpu"`` returns it in (pinned) host memory, copied back slice by slice on

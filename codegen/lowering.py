@@ -78,7 +78,8 @@ def lower(fusion: Fusion, *, pool_size: int = 4, gemm_sm_count: int = 0,
         plan = passes.plan_allocations(work, segments)
         program = hir.verify(passes.build_host_program(work, segments, plan, pool_size))
     program = program.replace(gemm_sm_count=gemm_sm_count, gemm_library=gemm_library,
-                              copy_stream=copy_stream)
+                              copy_stream=copy_stream,
+                              source=None if distributed.is_distributed(work) else fusion.clone())
     if "hostir" in dump:
         _dump("hostir after build_host_program", str(program))
     for host_pass in hir.HOSTIR_PASSES:

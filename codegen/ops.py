@@ -77,6 +77,12 @@ class OpDef:
     # The GEMM epilogue that computes this op (an rt::Epilogue of
     # codegen/include/codegen/epilogue.h, e.g. "GeluTanh"), or None where there is none.
     epilogue: Callable[[Attrs], str | None] | None = None
+    # A GEMM whose result may take a pointwise consumer as its epilogue.
+    epilogues: bool = True
+    # Reverse mode (codegen.autograd): (dy, operands, attrs, builder) -> each operand's
+    # gradient, built with the builder's ops (the functions of codegen.ir), or a
+    # ScheduleError where the op has none.
+    vjp: Callable[..., dict[str, Any]] | None = None
 
     # One object per op kind: copies of a fusion (Fusion.clone) share the definitions, so
     # ``op.defn is ops.MATMUL`` holds in every copy.
@@ -130,6 +136,37 @@ def same_dtype(op: str) -> Callable[[Mapping[str, Any], Attrs], torch.dtype]:
     return rule
 
 
+# ---------------------------------------------------------------------------- reverse mode
+# Each rule gets the gradient of the op's result (dy), its operands (v: the forward's
+# values, as the backward program sees them), its attributes and a builder (``b``: the
+# functions of codegen.ir, so these rules build ops like a user's definition does), and
+# gives the gradient of every operand.
+
+
+def _no_vjp(op: str, why: str) -> ScheduleError:
+    return ScheduleError(f"{op}: no backward for {why}")
+
+
+def _unbroadcast(op: str, g: Any, like: Any, b: Any) -> Any:
+    """The gradient of an operand broadcast along leading axes: ``g`` summed over them."""
+    if g.ndim == like.ndim:
+        return g
+    if (g.ndim, like.ndim) == (2, 1):
+        return b.sum_rows(g)
+    return NoGradient(f"{op}: no backward for {like.name}, broadcast from rank {like.ndim} "
+                      f"to rank {g.ndim} (only [n] against [m, n] has one)")
+
+
+class NoGradient:
+    """An operand's gradient the rules cannot give: raised only if it is asked for."""
+
+    def __init__(self, message: str) -> None:
+        self.message = message
+
+    def error(self) -> ScheduleError:
+        return ScheduleError(self.message)
+
+
 # ---------------------------------------------------------------------------- GEMMs
 
 
@@ -168,10 +205,22 @@ def _matmul_evaluate(v: Mapping[str, torch.Tensor], out: torch.Tensor, attrs: At
     torch.matmul(a, b, out=out)
 
 
+def _matmul_vjp(dy: Any, v: Mapping[str, Any], attrs: Attrs, b: Any) -> dict[str, Any]:
+    if v["b"].ndim != 2:
+        raise _no_vjp("matmul", f"a 3-D b ({v['b'].name}): batched products have none yet")
+    grads = {"a": b.linear(dy, v["b"])}  # dy @ b.T
+    if v["a"].ndim == 2:
+        grads["b"] = b.matmul_tn(v["a"], dy)  # a.T @ dy
+    else:
+        grads["b"] = NoGradient(f"matmul: no backward for b ({v['b'].name}) of a 3-D x 2-D "
+                                 "product (its gradient sums over the batch)")
+    return grads
+
+
 MATMUL = define(OpDef(
     name="matmul", node="Matmul", family="gemm", operands=("a", "b"),
     check=_matmul_check, axes=_matmul_axes, dtype=same_dtype("matmul"),
-    evaluate=_matmul_evaluate,
+    evaluate=_matmul_evaluate, vjp=_matmul_vjp,
 ))
 
 
@@ -208,10 +257,75 @@ def _linear_evaluate(v: Mapping[str, torch.Tensor], out: torch.Tensor, attrs: At
         torch.baddbmm(bias, x, w.t().expand(x.shape[0], -1, -1), out=out)
 
 
+def _linear_vjp(dy: Any, v: Mapping[str, Any], attrs: Attrs, b: Any) -> dict[str, Any]:
+    grads = {"x": b.matmul(dy, v["w"])}  # dy @ w
+    if v["x"].ndim == 2:
+        grads["w"] = b.matmul_tn(dy, v["x"])  # dy.T @ x
+        if "bias" in v:
+            grads["bias"] = b.sum_rows(dy)
+    else:
+        for name in ("w", "bias"):
+            grads[name] = NoGradient(f"linear: no backward for {name} of a 3-D x (its "
+                                      "gradient sums over the batch)")
+    return grads
+
+
 LINEAR = define(OpDef(
     name="linear", node="Linear", family="gemm", operands=("x", "w", "bias"),
     optional=("bias",), check=_linear_check, axes=_linear_axes, dtype=same_dtype("linear"),
-    evaluate=_linear_evaluate,
+    evaluate=_linear_evaluate, vjp=_linear_vjp,
+))
+
+
+def _two_dims(op: str, *operands: str) -> Callable[[Mapping[str, Any], Attrs], None]:
+    def check(t: Mapping[str, Any], attrs: Attrs) -> None:
+        for name in operands:
+            if t[name].ndim != 2:
+                raise ScheduleError(f"{op}: {name} must be 2-D, got {t[name].name} of rank "
+                                    f"{t[name].ndim}")
+
+    return check
+
+
+def _matmul_tn_axes(rank: Mapping[str, int], attrs: Attrs) -> list[AxisGroup]:
+    return [AxisGroup((("a", 1), ("out", 0))), AxisGroup((("b", 1), ("out", 1))),
+            AxisGroup((("a", 0), ("b", 0), ("out", 2)), reduction=True)]
+
+
+def _matmul_tn_evaluate(v: Mapping[str, torch.Tensor], out: torch.Tensor,
+                        attrs: Attrs) -> None:
+    if v["a"].shape[0] == 0:
+        out.zero_()
+    else:
+        torch.matmul(v["a"].t(), v["b"], out=out)
+
+
+# ``a.T @ b`` (a ``[k, m]``, b ``[k, n]``): the weight gradients of matmul and linear
+# (``x.T @ dy``, ``dy.T @ x``), a contraction over both operands' rows. cuBLAS reads the
+# transpose in place; the runtime's ``Gemms::matmul_tn``.
+MATMUL_TN = define(OpDef(
+    name="matmul_tn", node="MatmulTN", family="gemm", operands=("a", "b"),
+    check=_two_dims("matmul_tn", "a", "b"), axes=_matmul_tn_axes,
+    dtype=same_dtype("matmul_tn"), evaluate=_matmul_tn_evaluate,
+))
+
+
+def _sum_rows_axes(rank: Mapping[str, int], attrs: Attrs) -> list[AxisGroup]:
+    return [AxisGroup((("x", 1), ("out", 0))),
+            AxisGroup((("x", 0), ("out", 1)), reduction=True)]
+
+
+def _sum_rows_evaluate(v: Mapping[str, torch.Tensor], out: torch.Tensor,
+                       attrs: Attrs) -> None:
+    torch.sum(v["x"], 0, out=out)
+
+
+# ``x.sum(0)`` of a 2-D ``x``: a bias gradient. It runs as a GEMM (a row of ones times
+# ``x``: fp32 accumulation, as torch's sum); the runtime's ``Gemms::sum_rows``.
+SUM_ROWS = define(OpDef(
+    name="sum_rows", node="SumRows", family="gemm", operands=("x",),
+    check=_two_dims("sum_rows", "x"), axes=_sum_rows_axes, dtype=lambda t, a: t["x"].dtype,
+    evaluate=_sum_rows_evaluate, epilogues=False,
 ))
 
 # ---------------------------------------------------------------------------- pointwise
@@ -251,20 +365,30 @@ def unary(name: str, node: str, compute: Callable[..., torch.Tensor],
           cpp: Callable[[list[str], Attrs], str], *, attrs: tuple[str, ...] = (),
           check: Callable[[Mapping[str, Any], Attrs], None] | None = None,
           dtype: Callable[[Mapping[str, Any], Attrs], torch.dtype] = _keep_dtype,
-          epilogue: Callable[[Attrs], str | None] | None = None) -> OpDef:
+          epilogue: Callable[[Attrs], str | None] | None = None,
+          vjp: Callable[..., dict[str, Any]] | None = None) -> OpDef:
     """A one-operand pointwise op (operand ``x``) of ``x``'s shape."""
     return define(OpDef(name=name, node=node, family="pointwise", operands=("x",),
                         check=check or _no_check, axes=_unary_axes, dtype=dtype,
-                        attrs=attrs, compute=compute, cpp=cpp, epilogue=epilogue))
+                        attrs=attrs, compute=compute, cpp=cpp, epilogue=epilogue, vjp=vjp))
 
 
 def binary(name: str, node: str, compute: Callable[..., torch.Tensor],
-           cpp: Callable[[list[str], Attrs], str]) -> OpDef:
+           cpp: Callable[[list[str], Attrs], str], *, attrs: tuple[str, ...] = (),
+           check: Callable[[Mapping[str, Any], Attrs], None] | None = None,
+           vjp: Callable[..., dict[str, Any]] | None = None) -> OpDef:
     """A two-operand pointwise op of ``a``'s shape, ``b`` broadcast along a's leading
     axes (same shape, or a bias ``[n]`` against ``[m, n]``), one dtype."""
+    shapes = _binary_check(name)
+
+    def check_all(t: Mapping[str, Any], a: Attrs) -> None:
+        shapes(t, a)
+        if check is not None:
+            check(t, a)
+
     return define(OpDef(name=name, node=node, family="pointwise", operands=("a", "b"),
-                        check=_binary_check(name), axes=_binary_axes, dtype=same_dtype(name),
-                        compute=compute, cpp=cpp))
+                        check=check_all, axes=_binary_axes, dtype=same_dtype(name),
+                        attrs=attrs, compute=compute, cpp=cpp, vjp=vjp))
 
 
 GELU_APPROXIMATIONS = ("none", "tanh")
@@ -284,19 +408,40 @@ def _cast_check(t: Mapping[str, Any], attrs: Attrs) -> None:
             f"{attrs['dtype']!r}")
 
 
-SILU = unary("silu", "Silu", lambda x: F.silu(x), lambda x, a: f"silu({x[0]})")
+SILU = unary("silu", "Silu", lambda x: F.silu(x), lambda x, a: f"silu({x[0]})",
+             vjp=lambda dy, v, a, b: {"x": b.silu_grad(dy, v["x"])})
 GELU = unary(
     "gelu", "Gelu", lambda x, approximate: F.gelu(x, approximate=approximate),
     lambda x, a: f"gelu_tanh({x[0]})" if a["approximate"] == "tanh" else f"gelu({x[0]})",
     attrs=("approximate",), check=_gelu_check,
     # cuBLASLt's GELU epilogue is the tanh form: the erf form has none.
-    epilogue=lambda a: "GeluTanh" if a["approximate"] == "tanh" else None)
+    epilogue=lambda a: "GeluTanh" if a["approximate"] == "tanh" else None,
+    vjp=lambda dy, v, a, b: {"x": b.gelu_grad(dy, v["x"], a["approximate"])})
 RELU = unary("relu", "Relu", torch.relu, lambda x, a: f"relu({x[0]})",
-             epilogue=lambda a: "Relu")
+             epilogue=lambda a: "Relu", vjp=lambda dy, v, a, b: {"x": b.relu_grad(dy, v["x"])})
 CAST = unary("cast", "Cast", lambda x, dtype: x, lambda x, a: x[0], attrs=("dtype",),
-             check=_cast_check, dtype=lambda tensors, a: a["dtype"])
-ADD = binary("add", "Add", torch.add, lambda x, a: f"({x[0]} + {x[1]})")
-MUL = binary("mul", "Mul", torch.mul, lambda x, a: f"({x[0]} * {x[1]})")
+             check=_cast_check, dtype=lambda tensors, a: a["dtype"],
+             vjp=lambda dy, v, a, b: {"x": b.cast(dy, v["x"].dtype)})
+ADD = binary("add", "Add", torch.add, lambda x, a: f"({x[0]} + {x[1]})",
+             vjp=lambda dy, v, a, b: {"a": dy, "b": _unbroadcast("add", dy, v["b"], b)})
+MUL = binary("mul", "Mul", torch.mul, lambda x, a: f"({x[0]} * {x[1]})",
+             vjp=lambda dy, v, a, b: {
+                 "a": b.mul(dy, v["b"]),
+                 "b": _unbroadcast("mul", b.mul(dy, v["a"]), v["b"], b)})
+
+# The derivatives of the activations, dy * f'(x) (operands a = dy, b = x), as torch's
+# silu_backward, gelu_backward and threshold_backward compute them.
+SILU_GRAD = binary("silu_grad", "SiluGrad", torch.ops.aten.silu_backward,
+                   lambda x, a: f"silu_grad({x[0]}, {x[1]})")
+GELU_GRAD = binary(
+    "gelu_grad", "GeluGrad",
+    lambda dy, x, approximate: torch.ops.aten.gelu_backward(dy, x, approximate=approximate),
+    lambda x, a: (f"gelu_tanh_grad({x[0]}, {x[1]})" if a["approximate"] == "tanh"
+                  else f"gelu_grad({x[0]}, {x[1]})"),
+    attrs=("approximate",), check=_gelu_check)
+RELU_GRAD = binary("relu_grad", "ReluGrad",
+                   lambda dy, x: torch.ops.aten.threshold_backward(dy, x, 0),
+                   lambda x, a: f"({x[1]} <= compute_t(0) ? compute_t(0) : {x[0]})")
 
 
 def compute_dtype(dtypes: list[torch.dtype]) -> torch.dtype:

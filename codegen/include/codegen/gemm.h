@@ -173,7 +173,7 @@ inline View ones_column(int64_t n, DType dtype, int32_t device, cudaStream_t str
     }
   }
   CG_CHECK(!capturing(stream, op), op,
-           ": a linear with a bias this GEMM cannot fuse needs a column of ", n,
+           ": a bias this GEMM cannot fuse, or a sum of rows, needs a column of ", n,
            " ones, made outside graph capture: call the op once before capturing it");
   const int64_t rows = std::max<int64_t>(n, 1024);
   Buffer b = empty({rows}, dtype, device, op);
@@ -255,6 +255,44 @@ class Gemms {
   void linear(const View& out, const View& x, const View& w, const View& bias,
               Epilogue epilogue, const Stream& stream) {
     gemm(out, x, transposed(w), &bias, epilogue, stream);
+  }
+
+  // out = epilogue(a^T @ b), a [K, M], b [K, N]: the weight gradients (x^T dy, dy^T x),
+  // a's transpose read in place.
+  void matmul_tn(const View& out, const View& a, const View& b, const Stream& stream) {
+    gemm(out, transposed(a), b, nullptr, Epilogue::None, stream);
+  }
+  void matmul_tn(const View& out, const View& a, const View& b, Epilogue epilogue,
+                 const Stream& stream) {
+    gemm(out, transposed(a), b, nullptr, epilogue, stream);
+  }
+
+  // out[N] = the sum of x's rows (x [M, N]): a row of ones times x, accumulated in fp32
+  // (and never in TF32), as torch sums.
+  void sum_rows(const View& out, const View& x, const Stream& stream) {
+    const int64_t M = x.sizes[0], N = x.sizes[1];
+    if (N == 0) return;
+    if (M == 0) {
+      check_cuda(cudaMemsetAsync(out.data, 0, N * out.itemsize, stream.handle), op_,
+                 "cudaMemsetAsync");
+      return;
+    }
+    test_fault_point(op_);
+    View c = out;  // [1, N]
+    c.dim = 2;
+    c.sizes[0] = 1;
+    c.sizes[1] = N;
+    c.strides[1] = out.strides[0];
+    c.strides[0] = N * out.strides[0];
+    View ones = ones_column(M, dtype_, device_, stream.handle, op_);  // [1, M]
+    ones.dim = 2;
+    ones.sizes[0] = 1;
+    ones.sizes[1] = M;
+    ones.strides[0] = M;
+    ones.strides[1] = 1;
+    GemmType exact = type_;
+    if (exact.compute == CUBLAS_COMPUTE_32F_FAST_TF32) exact.compute = CUBLAS_COMPUTE_32F_PEDANTIC;
+    gemm_cublas(gemm_args(c, ones, x, op_), c, ones, x, exact, /*accumulate=*/false, op_);
   }
 
  private:

@@ -15,8 +15,8 @@
 //
 //   #define CG_ARITY <kernel.arity>     the number of inputs, 1..kMaxPointwiseArity
 //   kPointwisePrelude                   bf16/f16 (16-bit structs converted through PTX cvt),
-//                                       load/store, silu/gelu/gelu_tanh/relu for float and
-//                                       double; no includes, so NVRTC needs no include path
+//                                       load/store, silu/gelu/gelu_tanh/relu and their
+//                                       _grad forms for float and double; no includes, so NVRTC needs no include path
 //   <the generated part>
 //   kPointwiseEpilogue                  the kernels: load the inputs as compute_t, call
 //                                       expr, store out_t
@@ -239,6 +239,46 @@ __device__ __forceinline__ double gelu_tanh(double x) {
 // max(x, 0), and NaN for NaN (as torch.relu).
 __device__ __forceinline__ float relu(float x) { return x > 0.0f || x != x ? x : 0.0f; }
 __device__ __forceinline__ double relu(double x) { return x > 0.0 || x != x ? x : 0.0; }
+
+// Their derivatives times the incoming gradient dy (torch's silu_backward and
+// gelu_backward, same formulas and order).
+__device__ __forceinline__ float silu_grad(float dy, float x) {
+  const float s = 1.0f / (1.0f + expf(-x));
+  return dy * s * (1.0f + x * (1.0f - s));
+}
+__device__ __forceinline__ double silu_grad(double dy, double x) {
+  const double s = 1.0 / (1.0 + exp(-x));
+  return dy * s * (1.0 + x * (1.0 - s));
+}
+
+// cdf + x pdf: 0.5 (1 + erf(x / sqrt(2))) + x exp(-x^2 / 2) / sqrt(2 pi)
+__device__ __forceinline__ float gelu_grad(float dy, float x) {
+  const float cdf = 0.5f * (1.0f + erff(x * 0.70710678118654752440f));
+  const float pdf = 0.39894228040143267794f * expf(x * x * -0.5f);
+  return dy * (cdf + x * pdf);
+}
+__device__ __forceinline__ double gelu_grad(double dy, double x) {
+  const double cdf = 0.5 * (1.0 + erf(x * 0.70710678118654752440));
+  const double pdf = 0.39894228040143267794 * exp(x * x * -0.5);
+  return dy * (cdf + x * pdf);
+}
+
+__device__ __forceinline__ float gelu_tanh_grad(float dy, float x) {
+  const float k_beta = 0.79788456080286535588f, kappa = 0.044715f;
+  const float x_sq = x * x, x_cube = x_sq * x;
+  const float t = tanhf(k_beta * (x + kappa * x_cube));
+  const float left = 0.5f * x, right = 1.0f + t;
+  const float right_derivative = left * (1.0f - t * t) * k_beta * (1.0f + 3.0f * kappa * x_sq);
+  return dy * (0.5f * right + right_derivative);
+}
+__device__ __forceinline__ double gelu_tanh_grad(double dy, double x) {
+  const double k_beta = 0.79788456080286535588, kappa = 0.044715;
+  const double x_sq = x * x, x_cube = x_sq * x;
+  const double t = tanh(k_beta * (x + kappa * x_cube));
+  const double left = 0.5 * x, right = 1.0 + t;
+  const double right_derivative = left * (1.0 - t * t) * k_beta * (1.0 + 3.0 * kappa * x_sq);
+  return dy * (0.5 * right + right_derivative);
+}
 )cg";
 
 inline constexpr const char kPointwiseEpilogue[] = R"cg(

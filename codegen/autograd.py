@@ -1,0 +1,378 @@
+"""Reverse mode: the backward of a program is host programs, derived from its fusion.
+
+``derive(fusion, wanted)`` builds, from the user's (scheduled) fusion, two fusions:
+
+- the **saving forward**: the fusion with the intermediates the backward reads added as
+  outputs after the user's. Only GEMM results are saved; a pointwise result the backward
+  needs is recomputed there from what it is computed from (a kernel over data the backward
+  reads anyway, cheaper than keeping it). Where nothing is saved, it is the forward itself.
+- the **backward**: inputs are the forward values it reads (the forward's inputs, then the
+  saved intermediates) and the gradients of the forward's outputs (``grad_<output>``);
+  outputs are the gradients of the wanted inputs, in host memory for an input declared in
+  host memory. Each op contributes its ``OpDef.vjp`` (codegen.ops); gradients of a value
+  read twice are added. The split follows the forward: a gradient (or a recomputed value)
+  is split like the forward tensor it belongs to, and the usual propagation spreads that
+  to the rest, so ``x @ w`` split by output columns gives ``dW`` split by columns
+  (``x.T @ dY_i``, per slice) and ``dX = dY @ w.T`` contracts the split axis whole, after
+  the loop.
+
+``Function`` ties them to autograd (a ``torch.autograd.Function`` over the two programs,
+compiled or evaluated); ``register`` gives a compiled op its autograd kernel, so
+``op(x, w).sum().backward()``, ``torch.ops.codegen.<op>``, ``torch.compile`` and
+``torch.library.opcheck`` all see the backward.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from . import hostir as hir
+from . import ir, ops, passes
+from .errors import InternalError, ScheduleError
+from .ir import Const, Fusion, Sym, TensorView
+
+
+@dataclasses.dataclass(frozen=True)
+class Gradient:
+    """The saving forward and the backward of one fusion, for one set of wanted inputs.
+
+    ``saved_inputs`` are the indices of the forward inputs the backward reads (its first
+    inputs, in this order), then come the saving forward's extra outputs (``n_saved`` of
+    them), then the output gradients. ``grads`` says, per forward input, where its
+    gradient is: ``("output", k)`` the backward's output k, ``("grad", j)`` the gradient
+    of forward output j itself (``a + b`` passes it through), ``("zeros",)`` nothing
+    depends on it, ``None`` not wanted."""
+
+    forward: Fusion | None  # None: the forward itself saves everything (nothing extra)
+    backward: Fusion | None  # None: no wanted gradient needs a program
+    saved_inputs: tuple[int, ...]
+    n_saved: int
+    grads: tuple[tuple[Any, ...] | None, ...]
+
+
+def _spec(t: TensorView) -> list[int | str]:
+    """``t``'s shape as ``cg.input`` takes it (named extents by name)."""
+    spec: list[int | str] = []
+    for e in t.shape:
+        if isinstance(e, Const):
+            spec.append(e.value)
+        elif isinstance(e, Sym):
+            spec.append(e.name)
+        else:
+            raise InternalError(f"{t.name}: extent {e} is neither fixed nor named")
+    return spec
+
+
+def _needs(fusion: Fusion, wanted: Sequence[bool]) -> set[int]:
+    """The tensors (by id) whose gradient a wanted input's gradient depends on: the
+    wanted inputs and every op result computed from one."""
+    needs = {id(t) for t, w in zip(fusion.inputs, wanted) if w}
+    for op in fusion.ops:
+        if any(id(t) in needs for t in op.inputs()):
+            needs.add(id(op.out))
+    return needs
+
+
+def derive(fusion: Fusion, wanted: Sequence[bool]) -> Gradient:
+    """The saving forward and the backward of ``fusion`` (the user's, as scheduled) for
+    the inputs ``wanted`` (one bool per input). Raises ScheduleError where an op on the
+    way has no backward, naming it."""
+    from .lowering import schedule
+
+    work = schedule(fusion)  # the propagated splits: the backward follows them
+    if len(wanted) != len(work.inputs):
+        raise InternalError(f"{fusion.name}: {len(wanted)} flags for {len(work.inputs)} inputs")
+    for t, w in zip(work.inputs, wanted):
+        if w and not t.dtype.is_floating_point:
+            raise ScheduleError(f"{fusion.name}: input {t.name} is {t.dtype}: no gradient")
+    needs = _needs(work, wanted)
+    inputs = {id(t): k for k, t in enumerate(work.inputs)}
+    split_of: dict[int, passes.StreamSplit] = {}  # backward tensor id -> forward's split
+    primal: dict[int, TensorView] = {}  # forward tensor id -> its value in the backward
+    saved: list[TensorView] = []  # forward intermediates the backward reads
+
+    def value(t: TensorView) -> TensorView:
+        """Forward tensor ``t`` in the backward: an input (a forward input, or a saved
+        GEMM result), or a pointwise result recomputed from those."""
+        if id(t) in primal:
+            return primal[id(t)]
+        op = t.definition
+        if op is None or op.defn.is_gemm:
+            v = ir.input(_spec(t), t.dtype, name=t.name, device=t.device if op is None
+                         else "cuda")
+            if op is not None:
+                saved.append(t)
+        else:
+            v = ir._define(op.defn, dict(op.attrs),
+                           **{n: value(a) for n, a in op.args.items()})
+            _follow(v, t)
+        primal[id(t)] = v
+        return v
+
+    def _follow(v: TensorView, t: TensorView) -> None:
+        if (split := passes.stream_split(t)) is not None:
+            split_of[id(v)] = split
+
+    grads: dict[int, TensorView] = {}
+    bwd = Fusion(f"{fusion.name}_backward")
+    with bwd:
+        for k, out in enumerate(work.outputs):
+            grads[id(out)] = ir.input(_spec(out), out.dtype, name=f"grad_{out.name}",
+                                      device=out.device)
+        for op in reversed(work.ops):
+            dy = grads.get(id(op.out))
+            if dy is None or id(op.out) not in needs:
+                continue
+            if op.defn.vjp is None:
+                raise ScheduleError(f"{fusion.name}: {op.defn.name} ({op.out.name}) has no "
+                                    "backward")
+            lazy = _Lazy(op.args, value)
+            for name, g in op.defn.vjp(dy, lazy, dict(op.attrs), ir).items():
+                t = op.args.get(name)
+                if t is None or id(t) not in needs:
+                    continue
+                if isinstance(g, ops.NoGradient):
+                    raise g.error()
+                if g.definition is not None:
+                    _follow(g, t)
+                old = grads.get(id(t))
+                grads[id(t)] = g if old is None else ir.add(old, g)
+                if old is not None:
+                    _follow(grads[id(t)], t)
+        outcome: list[tuple[Any, ...] | None] = []
+        produced: dict[int, int] = {}
+        grad_inputs = {id(grads[id(o)]): j for j, o in enumerate(work.outputs)}
+        for t, w in zip(work.inputs, wanted):
+            g = grads.get(id(t))
+            if not w:
+                outcome.append(None)
+            elif g is None:
+                outcome.append(("zeros",))
+            elif g.definition is None:
+                outcome.append(("grad", grad_inputs[id(g)]))
+            elif id(g) in produced:
+                outcome.append(("output", produced[id(g)]))
+            else:
+                produced[id(g)] = len(bwd.outputs)
+                ir.output(g, device=t.device)
+                outcome.append(("output", produced[id(g)]))
+    taken = {t.name for t in bwd.tensors}
+    for t in work.tensors:  # a gradient is named for its tensor, where that name is free
+        g = grads.get(id(t))
+        if g is not None and g.definition is not None and f"grad_{t.name}" not in taken:
+            g.name = f"grad_{t.name}"
+            taken.add(g.name)
+    for v in bwd.tensors:
+        split = split_of.get(id(v))
+        if split is not None and v.definition is not None and v.stream_id() is None:
+            passes.replay_stream_split(v, split.axis, split)
+    _prune(bwd)
+    _loops_first(bwd)
+    # The backward's inputs, in order: forward inputs it reads, saved results, gradients.
+    names = {t.name for t in bwd.inputs}
+    saved_inputs = tuple(k for k, t in enumerate(work.inputs) if t.name in names)
+    saved = [t for t in saved if t.name in names]
+    grad_names = [f"grad_{o.name}" for o in work.outputs]
+    order = [work.inputs[k].name for k in saved_inputs] + [t.name for t in saved] + grad_names
+    by_name = {t.name: t for t in bwd.inputs}
+    bwd.inputs = [by_name[n] if n in by_name else _unused_grad(bwd, work, n) for n in order]
+    return Gradient(forward=_saving_forward(fusion, [t.name for t in saved]),
+                    backward=bwd if bwd.outputs else None, saved_inputs=saved_inputs,
+                    n_saved=len(saved), grads=tuple(outcome))
+
+
+class _Lazy(dict):  # type: ignore[type-arg]
+    """An op's operands as backward values, each made (declared, or recomputed) only when
+    a rule reads it: a gradient nobody wants then costs no saved tensor."""
+
+    def __init__(self, args: dict[str, TensorView], value: Callable[[TensorView], Any]):
+        super().__init__()
+        self._args, self._value = args, value
+
+    def __missing__(self, name: str) -> TensorView:
+        v = self[name] = self._value(self._args[name])
+        return v
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._args
+
+
+def _unused_grad(bwd: Fusion, work: Fusion, name: str) -> TensorView:
+    """An output gradient the backward does not read (it was pruned): declared again so
+    the backward's signature stays (saved..., every output's gradient)."""
+    out = next(o for o in work.outputs if f"grad_{o.name}" == name)
+    token = ir._current.set(bwd)
+    try:
+        t = ir.input(_spec(out), out.dtype, name=name, device=out.device)
+    finally:
+        ir._current.reset(token)
+    bwd.inputs.remove(t)
+    return t
+
+
+def _prune(fusion: Fusion) -> None:
+    """Drops the ops and inputs no output depends on (rules give every operand's
+    gradient; only the wanted ones are outputs)."""
+    live = {id(t) for t in fusion.outputs}
+    kept: list[ir.Op] = []
+    for op in reversed(fusion.ops):
+        if id(op.out) in live:
+            kept.append(op)
+            live |= {id(t) for t in op.inputs()}
+    fusion.ops = kept[::-1]
+    fusion.inputs = [t for t in fusion.inputs if id(t) in live]
+
+
+def _loops_first(fusion: Fusion) -> None:
+    """Orders the ops so that the stream-split ones come first wherever their inputs
+    allow: reverse mode emits each gradient's contraction over the split axis (an unsplit
+    GEMM) between the split ops, which would cut one loop into several. Before: the ops
+    in a valid order. After: a valid order (a topological one), split ops as early as
+    their inputs allow, the relative order kept otherwise."""
+    from .lowering import schedule
+
+    split = {op.out.name for op in schedule(fusion).ops if op.out.stream_id() is not None}
+    done = {id(t) for t in fusion.inputs}
+    todo, order = list(fusion.ops), []
+    while todo:
+        ready = [op for op in todo if all(id(t) in done for t in op.inputs())]
+        op = next((o for o in ready if o.out.name in split), ready[0])
+        order.append(op)
+        todo.remove(op)
+        done.add(id(op.out))
+    fusion.ops = order
+
+
+def _saving_forward(fusion: Fusion, saved: list[str]) -> Fusion | None:
+    """``fusion`` with the tensors ``saved`` (by name) as outputs after its own, or None
+    when there are none."""
+    if not saved:
+        return None
+    work = fusion.clone()
+    work.name = f"{fusion.name}_forward"
+    by_name = {t.name: t for t in work.tensors}
+    with work:
+        for name in saved:
+            ir.output(by_name[name])
+    return work
+
+
+# ---------------------------------------------------------------------------- run
+
+
+class Runner:
+    """The programs of one differentiable program, made on first use per set of wanted
+    inputs: lowered with the forward's options, then built (``compiled``) or run by the
+    evaluator."""
+
+    def __init__(self, program: hir.HostProgram, compiled: bool) -> None:
+        if program.source is None:
+            raise InternalError(f"{program.name}: no source fusion to differentiate")
+        self.program = program
+        self.compiled = compiled
+        self.n_outputs = len(program.outputs)
+        self._plans: dict[tuple[bool, ...], tuple[Gradient, Any, Any]] = {}
+        self._lock = threading.Lock()
+
+    def plan(self, wanted: tuple[bool, ...]) -> tuple[Gradient, Any, Any]:
+        """The gradient and its (saving forward, backward) runnables for ``wanted``."""
+        with self._lock:
+            if wanted not in self._plans:
+                g = derive(self.program.source, wanted)
+                self._plans[wanted] = (g, self._runnable(g.forward, keep=True),
+                                       self._runnable(g.backward, keep=False))
+            return self._plans[wanted]
+
+    def _runnable(self, fusion: Fusion | None, keep: bool) -> Any:
+        from .builder import build
+        from .evaluator import evaluate
+        from .lowering import lower
+
+        if fusion is None:
+            return None
+        p = self.program
+        program = lower(fusion, pool_size=p.pool_size, gemm_sm_count=p.gemm_sm_count,
+                        gemm_library=p.gemm_library, copy_stream=p.copy_stream)
+        if not keep:
+            program = program.replace(source=None)  # no backward of a backward
+        if self.compiled:
+            op = build(program)
+            return lambda *args: _as_list(op._overload(*args))
+        return lambda *args: evaluate(program, list(args))
+
+
+def _as_list(result: Any) -> list[torch.Tensor]:
+    return list(result) if isinstance(result, (tuple, list)) else [result]
+
+
+class Function(torch.autograd.Function):
+    """``Function.apply(runner, forward, *inputs)``: the program's outputs, with a
+    backward through its derived programs. ``forward`` runs the program itself below
+    autograd (the compiled op's overload, or the evaluator)."""
+
+    @staticmethod
+    def forward(ctx: Any, runner: Runner, run_forward: Callable[..., Any],
+                *inputs: torch.Tensor) -> Any:
+        wanted = tuple(bool(x) for x in ctx.needs_input_grad[2:])
+        gradient, saving, _ = runner.plan(wanted)
+        outs = _as_list(saving(*inputs) if saving is not None else run_forward(*inputs))
+        n = runner.n_outputs
+        ctx.runner, ctx.wanted = runner, wanted
+        ctx.shapes = [(x.shape, x.dtype, x.device) for x in inputs]
+        ctx.save_for_backward(*[inputs[k] for k in gradient.saved_inputs], *outs[n:])
+        result = tuple(outs[:n])
+        return result if n > 1 else result[0]
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> Any:
+        gradient, _, backward = ctx.runner.plan(ctx.wanted)
+        grads = tuple(g.contiguous() for g in grads)  # sum().backward() gives expanded ones
+        outs = _as_list(backward(*ctx.saved_tensors, *grads)) if backward is not None else []
+        result: list[torch.Tensor | None] = [None, None]
+        for where, (shape, dtype, device) in zip(gradient.grads, ctx.shapes):
+            if where is None:
+                result.append(None)
+            elif where[0] == "output":
+                result.append(outs[where[1]])
+            elif where[0] == "grad":
+                result.append(grads[where[1]])
+            else:
+                result.append(torch.zeros(shape, dtype=dtype, device=device))
+        return tuple(result)
+
+
+def requires_grad(inputs: Sequence[object]) -> bool:
+    """Whether autograd records a call on ``inputs`` (grad mode on, an input requires
+    grad)."""
+    return torch.is_grad_enabled() and any(
+        isinstance(x, torch.Tensor) and x.requires_grad for x in inputs)
+
+
+def register(program: hir.HostProgram, qualname: str, overload: Any,
+             library: torch.library.Library) -> None:
+    """Gives the compiled op ``qualname`` (its ``overload``) an autograd kernel: calls
+    that record go through ``Function``; the others run the op below autograd."""
+    runner = Runner(program, compiled=True)
+
+    def run_forward(*args: torch.Tensor) -> Any:
+        with torch._C._AutoDispatchBelowAutograd():
+            return overload(*args)
+
+    def kernel(*args: Any) -> Any:
+        if requires_grad(args):
+            return Function.apply(runner, run_forward, *args)
+        return run_forward(*args)
+
+    library.impl(qualname.split("::")[1], kernel, "Autograd")
+
+
+def evaluate(program: hir.HostProgram, inputs: Sequence[torch.Tensor],
+             run: Callable[[], list[torch.Tensor]]) -> list[torch.Tensor]:
+    """The evaluator's outputs for ``inputs``, with a backward where autograd records."""
+    runner = Runner(program, compiled=False)
+    return _as_list(Function.apply(runner, lambda *args: run(), *inputs))
