@@ -319,10 +319,15 @@ class Function(torch.autograd.Function):
     def forward(ctx: Any, runner: Runner, run_forward: Callable[..., Any],
                 *inputs: torch.Tensor) -> Any:
         wanted = tuple(bool(x) for x in ctx.needs_input_grad[2:])
-        gradient, saving, _ = runner.plan(wanted)
+        ctx.runner, ctx.wanted, ctx.error = runner, wanted, None
+        try:
+            gradient, saving, _ = runner.plan(wanted)
+        except ScheduleError as e:  # forward runs; backward, if it is ever asked for, fails
+            ctx.error = e
+            outs = _as_list(run_forward(*inputs))
+            return tuple(outs) if len(outs) > 1 else outs[0]
         outs = _as_list(saving(*inputs) if saving is not None else run_forward(*inputs))
         n = runner.n_outputs
-        ctx.runner, ctx.wanted = runner, wanted
         ctx.shapes = [(x.shape, x.dtype, x.device) for x in inputs]
         ctx.save_for_backward(*[inputs[k] for k in gradient.saved_inputs], *outs[n:])
         result = tuple(outs[:n])
@@ -330,6 +335,8 @@ class Function(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> Any:
+        if ctx.error is not None:
+            raise ScheduleError(f"{ctx.runner.program.name}: no backward: {ctx.error}")
         gradient, _, backward = ctx.runner.plan(ctx.wanted)
         grads = tuple(g.contiguous() for g in grads)  # sum().backward() gives expanded ones
         outs = _as_list(backward(*ctx.saved_tensors, *grads)) if backward is not None else []

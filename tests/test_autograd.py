@@ -1,0 +1,372 @@
+"""Backward on the CPU: the derived programs (what is saved, how they are split, host
+gradients), the evaluator's gradients against torch (gradcheck in fp64, exact on
+integer-valued fp32), every op kind's rule, and the errors of what has no backward."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import ints
+from helpers import stream_loops
+
+import codegen as cg
+from codegen import autograd, examples, races
+from codegen import hostir as hir
+
+F64 = torch.float64
+
+
+def _grads(program, inputs):
+    """The evaluator's outputs and the gradients of sum(out * weights) for ``inputs``."""
+    leaves = [x.detach().clone().requires_grad_(x.dtype.is_floating_point) for x in inputs]
+    outs = cg.evaluate(program, leaves)
+    torch.manual_seed(1)
+    weights = [ints(*o.shape, dtype=o.dtype) for o in outs]
+    sum(((o * w).sum() for o, w in zip(outs, weights)), torch.zeros((), dtype=F64)).backward()
+    return outs, [x.grad for x in leaves], weights
+
+
+def _torch_grads(fn, inputs, weights):
+    leaves = [x.detach().clone().requires_grad_(True) for x in inputs]
+    outs = fn(*leaves)
+    outs = outs if isinstance(outs, tuple) else (outs,)
+    sum(((o * w).sum() for o, w in zip(outs, weights)), torch.zeros((), dtype=F64)).backward()
+    return list(outs), [x.grad for x in leaves]
+
+
+def _llama(x, wg, wu, wd):
+    return F.linear(F.silu(F.linear(x, wg)) * F.linear(x, wu), wd)
+
+
+def _gpt(x, w1, b1, w2, b2):
+    return F.linear(F.gelu(F.linear(x, w1, b1), approximate="tanh"), w2, b2)
+
+
+# ---------------------------------------------------------------------------- gradcheck
+
+
+def _gradcheck(fusion, shapes):
+    program = cg.lower(fusion)
+    torch.manual_seed(0)
+    args = [torch.randn(*s, dtype=F64, requires_grad=True) for s in shapes]
+    assert torch.autograd.gradcheck(lambda *a: cg.evaluate(program, list(a)), args)
+
+
+@pytest.mark.parametrize("slices", [1, 3])
+def test_gradcheck_llama_mlp(slices):
+    _gradcheck(examples.llama_mlp(F64, slices), [(5, 4), (7, 4), (7, 4), (4, 7)])
+
+
+def test_gradcheck_gpt_mlp():
+    _gradcheck(examples.gpt_mlp(F64, 3), [(5, 4), (7, 4), (7,), (4, 7), (4,)])
+
+
+@pytest.mark.parametrize("axis", [0, 1])
+def test_gradcheck_split_matmul(axis):
+    fusion = examples.matmul_rows(F64, 3) if axis == 0 else _matmul_cols(F64)
+    _gradcheck(fusion, [(7, 4), (4, 5)])
+
+
+def _matmul_cols(dtype=torch.float32, slices=3):
+    with cg.Fusion("matmul_cols") as f:
+        a = cg.input(["m", "k"], dtype, name="a")
+        b = cg.input(["k", "n"], dtype, name="b")
+        out = cg.matmul(a, b)
+        cg.output(out)
+    out.outer_split(1, slices)
+    out.axis(1).parallelize(cg.ParallelType.Stream)
+    return f
+
+
+def _unary(op, **kw):
+    with cg.Fusion(f"{op.__name__}_after_linear") as f:
+        x = cg.input(["m", "k"], F64, name="x")
+        w = cg.input(["n", "k"], F64, name="w")
+        y = op(cg.linear(x, w), **kw)
+        cg.output(y)
+    y.outer_split(1, 2)
+    y.axis(1).parallelize(cg.ParallelType.Stream)
+    return f
+
+
+@pytest.mark.parametrize("op,kw", [(cg.silu, {}), (cg.gelu, {"approximate": "none"}),
+                                   (cg.gelu, {"approximate": "tanh"}), (cg.relu, {})],
+                         ids=["silu", "gelu", "gelu_tanh", "relu"])
+def test_gradcheck_activations(op, kw):
+    _gradcheck(_unary(op, **kw), [(5, 3), (6, 3)])
+
+
+@pytest.mark.parametrize("op", [cg.add, cg.mul])
+@pytest.mark.parametrize("b_shape", [(5, 6), (6,)], ids=["same", "broadcast"])
+def test_gradcheck_binary(op, b_shape):
+    with cg.Fusion(f"{op.__name__}_bias") as f:
+        x = cg.input(["m", "k"], F64, name="x")
+        w = cg.input(["n", "k"], F64, name="w")
+        b = cg.input(list(b_shape), F64, name="b")
+        y = op(cg.linear(x, w), b)
+        cg.output(y)
+    _gradcheck(f, [(5, 3), (6, 3), b_shape])
+
+
+def test_cast_gradient_is_cast_back():
+    with cg.Fusion("cast_up") as f:
+        x = cg.input(["m", "k"], torch.float32, name="x")
+        w = cg.input(["n", "k"], torch.float32, name="w")
+        y = cg.cast(cg.linear(x, w), F64)
+        cg.output(y)
+    x, w = ints(5, 3), ints(6, 3)
+    (out,), (gx, gw), (weight,) = _grads(cg.lower(f), [x, w])
+    assert out.dtype == F64 and gx.dtype == torch.float32
+    _, (tx, tw) = _torch_grads(lambda x, w: F.linear(x, w).double(), [x, w], [weight])
+    torch.testing.assert_close(gx, tx, rtol=0, atol=0)
+    torch.testing.assert_close(gw, tw, rtol=0, atol=0)
+
+
+# ---------------------------------------------------------------------------- exact
+
+
+@pytest.mark.parametrize("case", ["llama", "gpt_relu", "linear_bias", "rows", "cols"])
+def test_gradients_exact_on_integers(case):
+    """Integer-valued fp32 inputs: every product and sum is exact, so the gradients must
+    equal torch's bit for bit (the activations are kept to relu, exact too)."""
+    torch.manual_seed(0)
+    if case == "llama":  # silu is not exact: only the structure of the sums is tested
+        fusion, fn = examples.llama_mlp(torch.float32, 3), _llama
+        inputs = [ints(6, 4), ints(9, 4), ints(9, 4), ints(4, 9)]
+    elif case == "gpt_relu":
+        with cg.Fusion("relu_mlp") as fusion:
+            x = cg.input(["m", "h"], torch.float32, name="x")
+            w1 = cg.input(["i", "h"], torch.float32, name="w1")
+            b1 = cg.input(["i"], torch.float32, name="b1")
+            w2 = cg.input(["h", "i"], torch.float32, name="w2")
+            b2 = cg.input(["h"], torch.float32, name="b2")
+            hidden = cg.relu(cg.linear(x, w1, b1))
+            y = cg.linear(hidden, w2, b2)
+            cg.output(y)
+        hidden.outer_split(1, 3)
+        hidden.axis(1).parallelize(cg.ParallelType.Stream)
+
+        def fn(x, w1, b1, w2, b2):
+            return F.linear(F.relu(F.linear(x, w1, b1)), w2, b2)
+
+        inputs = [ints(6, 4), ints(9, 4), ints(9), ints(4, 9), ints(4)]
+    elif case == "linear_bias":
+        fusion, inputs = examples.linear_bias(), [ints(5, 7), ints(6, 7), ints(6)]
+        fn = F.linear
+    elif case == "rows":
+        fusion, fn, inputs = examples.matmul_rows(), torch.matmul, [ints(9, 4), ints(4, 5)]
+    else:
+        fusion, fn, inputs = _matmul_cols(), torch.matmul, [ints(9, 4), ints(4, 5)]
+    outs, grads, weights = _grads(cg.lower(fusion), inputs)
+    touts, tgrads = _torch_grads(fn, inputs, weights)
+    exact = {"rtol": 0, "atol": 0} if case != "llama" else {"rtol": 1e-5, "atol": 1e-4}
+    for got, want in zip(outs + grads, touts + tgrads):
+        torch.testing.assert_close(got, want, **exact)
+
+
+def test_only_the_wanted_gradients():
+    """x alone requires grad: the backward computes dX and reads neither the saved x nor
+    anything for dW."""
+    program = cg.lower(examples.matmul_rows())
+    g = autograd.derive(program.source, (True, False))
+    assert [t.name for t in g.backward.outputs] == ["grad_T0"]
+    assert [t.name for t in g.backward.inputs] == ["T1", "grad_T2"]
+    assert g.saved_inputs == (1,) and g.grads == (("output", 0), None)
+    x, w = ints(8, 4).requires_grad_(), ints(4, 5)
+    cg.evaluate(program, [x, w])[0].sum().backward()
+    torch.testing.assert_close(x.grad, torch.ones(8, 5) @ w.t(), rtol=0, atol=0)
+
+
+def test_passthrough_and_unused_inputs():
+    """The gradient of a bias added to the output is the output's gradient itself; an
+    input the output does not depend on gets zeros."""
+    with cg.Fusion("residual") as f:
+        x = cg.input(["m", "k"], torch.float32, name="x")
+        w = cg.input(["k", "n"], torch.float32, name="w")
+        r = cg.input(["m", "n"], torch.float32, name="r")
+        cg.input(["m", "n"], torch.float32, name="unused")
+        cg.output(cg.add(cg.matmul(x, w), r))
+    program = cg.lower(f)
+    inputs = [ints(3, 4), ints(4, 5), ints(3, 5), ints(3, 5)]
+    leaves = [t.clone().requires_grad_() for t in inputs]
+    weight = ints(3, 5)
+    (cg.evaluate(program, leaves)[0] * weight).sum().backward()
+    assert torch.equal(leaves[2].grad, weight)
+    assert torch.equal(leaves[3].grad, torch.zeros(3, 5))
+    assert torch.equal(leaves[1].grad, inputs[0].t() @ weight)
+
+
+# ---------------------------------------------------------------------------- structure
+
+
+def _race_check(program, env):
+    """The stream-order checker on inputs of the sizes ``env`` gives."""
+    races.check(program, [torch.zeros([e.evaluate(env) for e in t.shape], dtype=t.dtype)
+                          for t in program.inputs])
+
+
+def test_llama_saves_the_gemm_results_and_recomputes_the_rest():
+    """torch saves gate, up, silu(gate) and the product (four [m, i] tensors); the saving
+    forward keeps the two GEMM results and the backward recomputes the pointwise ones."""
+    program = cg.lower(examples.llama_mlp())
+    g = autograd.derive(program.source, (True,) * 4)
+    assert [t.name for t in g.forward.outputs] == ["T8", "T4", "T6"]
+    assert g.n_saved == 2 and g.saved_inputs == (0, 1, 2, 3)
+    assert [t.name for t in g.backward.inputs] == [
+        "x", "w_gate", "w_up", "w_down", "T4", "T6", "grad_T8"]
+    assert [t.name for t in g.backward.outputs] == [
+        "grad_x", "grad_w_gate", "grad_w_up", "grad_w_down"]
+
+
+def test_llama_backward_is_one_loop_split_like_the_forward():
+    """Every gradient of the intermediate axis is per slice on the slice's stream (dW of
+    the three weights too); dX contracts the split axis, so it runs whole after the
+    loop."""
+    program = cg.lower(examples.llama_mlp())
+    g = autograd.derive(program.source, (True,) * 4)
+    bwd = cg.lower(g.backward)
+    loops = stream_loops(bwd)
+    assert len(loops) == 1
+    inside = [n for n in loops[0].body if isinstance(n, hir.Compute)]
+    assert sorted(n.out for n in inside if n.gemm is not None) == [
+        "grad_T7_i", "grad_w_down_i", "grad_w_gate_i", "grad_w_up_i"]
+    after = [n for n in bwd.body if isinstance(n, hir.Compute)]
+    assert [type(n).__name__ for n in after] == ["Matmul", "Matmul", "Add"]
+    _race_check(bwd, {"m": 6, "h": 4, "inter": 9})
+
+
+@pytest.mark.parametrize("axis", [0, 1])
+def test_split_matmul_backward_follows_the_split(axis):
+    """Split by rows: dX = dY_i @ w.T per slice, dW = x.T @ dY whole. By columns: dW_i =
+    x.T @ dY_i per slice, dX whole."""
+    fusion = examples.matmul_rows() if axis == 0 else _matmul_cols()
+    g = autograd.derive(cg.lower(fusion).source, (True, True))
+    bwd = cg.lower(g.backward)
+    (loop,) = stream_loops(bwd)
+    split = {n.out for n in loop.body if isinstance(n, hir.Compute)}
+    whole = {n.out for n in bwd.body if isinstance(n, hir.Compute)}
+    dx, dw = (t.name for t in g.backward.outputs)
+    assert (split, whole) == (({f"{dx}_i"}, {dw}) if axis == 0 else ({f"{dw}_i"}, {dx}))
+
+
+def test_host_weights_get_host_gradients_streamed_out():
+    """A weight in host memory gets its gradient in host memory, copied out slice by slice
+    from a staging slot on the slice's stream; the evaluator's values match torch."""
+    program = cg.lower(examples.llama_mlp(torch.float32, 3, weights="cpu"))
+    g = autograd.derive(program.source, (True,) * 4)
+    devices = [t.device for t in g.backward.outputs]
+    assert devices == ["cuda", "cpu", "cpu", "cpu"]
+    bwd = cg.lower(g.backward)
+    out_copies = [n for n in bwd.nodes() if isinstance(n, hir.Copy)
+                  and n.out.startswith("grad_w")]
+    assert {n.out for n in out_copies} == {"grad_w_gate_i", "grad_w_up_i", "grad_w_down_i"}
+    _race_check(bwd, {"m": 6, "h": 4, "inter": 9})
+    inputs = [ints(6, 4), ints(9, 4), ints(9, 4), ints(4, 9)]
+    outs, grads, weights = _grads(program, inputs)
+    _, tgrads = _torch_grads(_llama, inputs, weights)
+    for got, want in zip(grads, tgrads):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+
+
+def test_backward_programs_print_their_gradient_ops():
+    g = autograd.derive(cg.lower(examples.gpt_mlp(torch.float32, 2)).source, (True,) * 5)
+    text = str(cg.lower(g.backward))
+    assert "HostProgram gpt_mlp_backward(" in text
+    assert "GeluGrad(" in text and "approximate=tanh" in text
+    assert "SumRows(" in text and "MatmulTN(" in text
+
+
+def test_backward_digest_ignores_the_source():
+    """The source fusion is not part of the program: two lowerings of one fusion have one
+    op name, and the backward's name differs from the forward's."""
+    from codegen.builder import op_name
+
+    f = examples.llama_mlp()
+    assert op_name(cg.lower(f)) == op_name(cg.lower(f))
+    g = autograd.derive(cg.lower(f).source, (True,) * 4)
+    assert op_name(cg.lower(g.backward)) != op_name(cg.lower(f))
+
+
+# ---------------------------------------------------------------------------- errors
+
+
+def test_batched_matmul_has_no_backward_yet():
+    """Forward still runs where inputs require grad; backward fails naming the op."""
+    program = cg.lower(examples.batched())
+    shapes = [(t.shape, t.dtype) for t in program.inputs]
+    env = {"b": 2, "m": 3, "k": 4, "n": 5}
+    inputs = [torch.randn([e.evaluate(env) for e in s], dtype=d, requires_grad=True)
+              for s, d in shapes]
+    out = cg.evaluate(program, inputs)[0]
+    with pytest.raises(cg.ScheduleError, match=r"batched: no backward: matmul: no backward "
+                                               r"for a 3-D b"):
+        out.sum().backward()
+
+
+def test_no_grad_records_nothing():
+    program = cg.lower(examples.matmul_rows())
+    x, w = ints(8, 4).requires_grad_(), ints(4, 5)
+    with torch.no_grad():
+        out = cg.evaluate(program, [x, w])[0]
+    assert out.grad_fn is None and not out.requires_grad
+
+
+# ---------------------------------------------------------------------------- kernels
+
+GRAD_MATH = r"""
+#include <math.h>
+#include <stdio.h>
+#define __device__
+#define __forceinline__ inline
+#include KERNEL_TEXT
+
+int main() {
+  float x, dy;
+  while (scanf("%a %a", &dy, &x) == 2) {
+    const double d = x, g = dy;
+    printf("%a %a %a %a %a %a\n", silu_grad(dy, x), gelu_grad(dy, x), gelu_tanh_grad(dy, x),
+           silu_grad(g, d), gelu_grad(g, d), gelu_tanh_grad(g, d));
+  }
+}
+"""
+
+
+def test_activation_derivatives_match_torch(tmp_path):
+    """The prelude's derivatives (compiled for the host, as the kernels' device functions
+    are written) against torch's silu_backward and gelu_backward, in float and double."""
+    import math
+    import subprocess
+
+    from test_pointwise_runtime import cxx, kernel_text
+
+    prelude = tmp_path / "prelude.h"
+    prelude.write_text(kernel_text("kPointwisePrelude"))
+    source = tmp_path / "grad.cpp"
+    source.write_text(GRAD_MATH)
+    binary = cxx(source, tmp_path / "grad", f'-DKERNEL_TEXT="{prelude}"')
+    xs = torch.cat([torch.linspace(-9, 9, 361), torch.tensor([0.0, 30.0, -30.0, 88.0])])
+    dys = torch.linspace(-3, 3, len(xs))
+    stdin = "".join(f"{float(g).hex()} {float(x).hex()}\n" for g, x in zip(dys, xs))
+    run = subprocess.run([str(binary)], input=stdin, capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    got = torch.tensor([[float.fromhex(v) for v in line.split()]
+                        for line in run.stdout.splitlines()], dtype=F64)
+    aten = torch.ops.aten
+    for col, fn in enumerate([lambda g, x: aten.silu_backward(g, x),
+                              lambda g, x: aten.gelu_backward(g, x),
+                              lambda g, x: aten.gelu_backward(g, x, approximate="tanh")]):
+        torch.testing.assert_close(got[:, col].float(), fn(dys, xs), rtol=1e-5, atol=4e-6)
+        torch.testing.assert_close(got[:, col + 3], fn(dys.double(), xs.double()),
+                                   rtol=1e-12, atol=1e-13)
+    assert not math.isnan(got.sum())
+
+
+def test_backward_programs_build(cache_dir):
+    """The backward's C++ (MatmulTN, SumRows, the GELU-derivative kernel, host gradients
+    copied out) builds and loads without a GPU."""
+    for fusion in (examples.gpt_mlp(torch.bfloat16, 2),
+                   examples.llama_mlp(torch.float32, 2, weights="cpu")):
+        program = cg.lower(fusion)
+        g = autograd.derive(program.source, (True,) * len(program.inputs))
+        op = cg.build(cg.lower(g.backward).replace(source=None))
+        assert op.name.startswith(f"codegen::{fusion.name}_backward_")
+        assert "gemms.matmul_tn(" in op.source
