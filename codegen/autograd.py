@@ -91,7 +91,6 @@ def derive(fusion: Fusion, wanted: Sequence[bool]) -> Gradient:
         if w and not t.dtype.is_floating_point:
             raise ScheduleError(f"{fusion.name}: input {t.name} is {t.dtype}: no gradient")
     needs = _needs(work, wanted)
-    inputs = {id(t): k for k, t in enumerate(work.inputs)}
     split_of: dict[int, passes.StreamSplit] = {}  # backward tensor id -> forward's split
     primal: dict[int, TensorView] = {}  # forward tensor id -> its value in the backward
     saved: list[TensorView] = []  # forward intermediates the backward reads
@@ -121,7 +120,7 @@ def derive(fusion: Fusion, wanted: Sequence[bool]) -> Gradient:
     grads: dict[int, TensorView] = {}
     bwd = Fusion(f"{fusion.name}_backward")
     with bwd:
-        for k, out in enumerate(work.outputs):
+        for out in work.outputs:
             grads[id(out)] = ir.input(_spec(out), out.dtype, name=f"grad_{out.name}",
                                       device=out.device)
         for op in reversed(work.ops):

@@ -91,7 +91,8 @@ def _environment() -> jinja2.Environment:
 # other module of the package is hashed into the op name, new ones included by default.
 # (builder.py's flags key the build cache instead.)
 _NOT_SHAPING_CPP = frozenset({"builder.py", "evaluator.py", "timeline.py", "demo.py", "nn.py",
-                              "__main__.py", "timing.py", "collectives.py", "races.py"})
+                              "__main__.py", "timing.py", "collectives.py", "races.py",
+                              "autograd.py"})
 
 
 def include_dir() -> Path:

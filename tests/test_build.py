@@ -163,24 +163,39 @@ def test_too_many_arguments(ops):
 
 
 @pytest.mark.parametrize("call", ["compiled_op", "torch_ops"])
-def test_inputs_that_require_grad_run_forward_and_refuse_backward(ops, call):
+def test_inputs_that_require_grad_get_a_backward(ops, call):
+    """Whoever calls the op, autograd records it, and backward runs the derived backward
+    program (on meta tensors, its fake kernel: the shapes)."""
     op = ops["matmul_rows"]
-    fn = op if call == "compiled_op" else op.op  # the formula is on the op, not the wrapper
+    fn = op if call == "compiled_op" else op.op
     a = torch.empty(3, 24, device="meta", requires_grad=True)
-    b = torch.empty(24, 5, device="meta")
+    b = torch.empty(24, 5, device="meta", requires_grad=True)
     out = fn(a, b)
     assert out.shape == (3, 5) and out.requires_grad
-    with pytest.raises(RuntimeError, match=f"derivative for {op.name} is not implemented"):
-        out.sum().backward()
+    out.sum().backward()
+    assert a.grad.shape == (3, 24) and b.grad.shape == (24, 5)
     with torch.no_grad():
         assert not fn(a, b).requires_grad
 
 
-def test_the_autograd_kernel_is_torchs_cpp_one_not_python(ops):
-    """A Python autograd kernel would cost a trip through Python per call."""
-    dump = torch._C._dispatch_dump(ops["matmul_rows"].name)
-    (autograd,) = [line for line in dump.splitlines() if line.startswith("Autograd")]
-    assert "codegen_no_backward.cpp" in autograd, dump
+def _autograd_kernel(name):
+    dump = torch._C._dispatch_dump(name)
+    (line,) = [line for line in dump.splitlines() if line.startswith("Autograd[")
+               or line.startswith("Autograd:")]
+    return line
+
+
+def test_a_backward_program_gets_torchs_cpp_no_backward_kernel(ops):
+    """A differentiable op's autograd kernel is the Python one of codegen.autograd (the
+    compiled op calls below it when nothing records, so no trip through Python then); a
+    backward program has no backward: torch's C++ kernel, which costs nothing."""
+    from codegen import autograd
+
+    assert "codegen_no_backward.cpp" not in _autograd_kernel(ops["matmul_rows"].name)
+    program = ops["matmul_rows"].host_ir
+    g = autograd.derive(program.source, (True, True))
+    backward = cg.build(cg.lower(g.backward).replace(source=None))
+    assert "codegen_no_backward.cpp" in _autograd_kernel(backward.name)
 
 
 def test_two_outputs_and_an_op_outside_any_loop_build(cache_dir):
