@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 import codegen as cg
-from benchmarks.bench_layers import interleaved
+from benchmarks.common import interleaved
 from codegen import examples
 
 RESULTS = Path(__file__).resolve().parent / "results" / "backward.json"

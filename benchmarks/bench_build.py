@@ -1,6 +1,6 @@
 """Build and load times of new programs, measured in fresh processes.
 
-    PYTHONPATH=. python3 benchmarks/bench_build.py [--programs 3] [--warm-runs 3] [--out DIR]
+    python -m benchmarks.bench_build [--programs 3] [--warm-runs 3] [--out DIR]
 
 Every measurement is a new process (``sys.executable -c ...``) and all of them share one
 CODEGEN_CACHE_DIR, a new empty temporary folder (deleted afterwards unless --keep):
@@ -15,9 +15,8 @@ timed inside the child; import_s, `import torch` and `import codegen` inside the
 wall_s, the child's whole wall time seen from this process (interpreter start and
 `import torch` included); build_ninja, whether the op's cache folder holds the build.ninja
 of torch.utils.cpp_extension (meta.build_path says how the programs were built). Targets:
-first <= 20 s, cold median <= 3.0 s, warm load <= 0.05 s. Runs on the CPU
-machines (no GPU needed). Prints a table and writes build.json to --out (default
-benchmarks/results).
+first <= 20 s, cold median <= 3.0 s, warm load <= 0.05 s. Needs no GPU. Prints a table
+and writes build.json to --out (default benchmarks/results).
 """
 
 from __future__ import annotations
@@ -165,9 +164,10 @@ def plan_text(programs: int, warm_runs: int) -> str:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog="\n".join(__doc__.splitlines()[1:]))
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.bench_build", description=__doc__.splitlines()[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="\n".join(__doc__.splitlines()[1:]))
     p.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results",
                    help="folder for build.json")
     p.add_argument("--programs", type=int, default=3, help="new programs for the cold build")
@@ -210,7 +210,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
         "torch": torch.__version__,
         "python": platform.python_version(),
-        "command": "PYTHONPATH=. python3 benchmarks/bench_build.py" + "".join(
+        "command": "python -m benchmarks.bench_build" + "".join(
             f" {a}" for a in (argv if argv is not None else sys.argv[1:])),
         "loadavg_start": load_start,
         "loadavg_end": os.getloadavg(),

@@ -1,7 +1,7 @@
 """Weight streaming from pinned host memory: the generated op against its floor, the
 hand-written Python pipeline and copy-then-GEMM, on one GPU.
 
-    PYTHONPATH=. python3 benchmarks/bench_copy.py [--out benchmarks/results] [--rounds N]
+    python -m benchmarks.bench_copy [--out benchmarks/results] [--rounds N]
 
 The program is ``codegen.examples.stream_weights``: out [m, n] = x [m, k] (GPU) @ w [k, n]
 (bf16, pinned host memory), the columns of w streamed in S slices, each copied (one
@@ -18,7 +18,7 @@ three times it (GEMM-bound), and S = 1, 2, 4, 8, 16, it reports per row:
   stream, in slice order; ``hostir.queue_copies_in``), and cs / op per round in the JSON;
 - the same op reading a column-major w (w^T stored contiguous, as nn.Linear keeps it):
   each slice is one 1-D copy instead of a 2-D one;
-- the hand-written Python pipeline (benchmarks: PythonCopyPipeline): w pre-split once into
+- the hand-written Python pipeline (``benchmarks.common.PythonCopyPipeline``): w pre-split once into
   contiguous pinned column blocks, each copied into its stream's staging buffer and
   multiplied on stream i % 4;
 - copy-then-GEMM: one copy of the whole w, then one GEMM, on one stream.
@@ -27,8 +27,8 @@ Timing: CUDA events around a block of calls per variant (one untimed call first)
 variants of a shape run interleaved in rounds (order rotated each round) after a warm-up
 of at least one second, and each ratio is the median over rounds of the per-round ratio
 (the H200 power-caps within a second of sustained GEMMs: whatever runs first would win).
-Host microseconds per op call are measured with the GPU kept busy. The timing helpers are
-benchmarks/gpu_timing.py and interleave.py (shared with bench_matmul.py).
+Host microseconds per op call are measured with the GPU kept busy. The timing code and
+the baseline are in ``benchmarks.common``.
 Writes copy.json to --out and prints a table; about 1.5 minutes on an H200 (builds
 included).
 """
@@ -49,118 +49,22 @@ from typing import Any
 
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "benchmarks"))
-
-import gpu_timing  # noqa: E402
-from interleave import ratio_fields, reps_for, rotated  # noqa: E402
-
-import codegen as cg  # noqa: E402
-from codegen import examples  # noqa: E402
+import codegen as cg
+from benchmarks.common import (
+    POOL,
+    RESULTS,
+    PythonCopyPipeline,
+    balanced_m,
+    estimate_ms,
+    host_sample,
+    interleaved,
+    median_ratio,
+)
+from codegen import examples
 
 K = N = 8192
 DTYPE = torch.bfloat16
 SLICES = (1, 2, 4, 8, 16)
-POOL = 4
-
-
-class PythonCopyPipeline:
-    """``x @ w`` with w in pinned host memory, as a user writes it with PyTorch streams:
-    the column blocks of w are split once into contiguous pinned chunks (copying a strided
-    host slice would go through a pageable temporary), and per call slice i's chunk is
-    copied into its stream's staging buffer and multiplied into its output columns, on
-    stream i % pool, forked from and joined back to the caller's stream."""
-
-    def __init__(self, w_host: torch.Tensor, slices: int, pool: int = POOL) -> None:
-        k, n = w_host.shape
-        self.n = n
-        self.chunk = -(-n // slices)
-        self.chunks = [w_host[:, i:i + self.chunk].contiguous().pin_memory()
-                       for i in range(0, n, self.chunk)]
-        self.streams = [torch.cuda.Stream() for _ in range(min(len(self.chunks), pool))]
-        self.staging = [torch.empty(k, self.chunk, device="cuda", dtype=w_host.dtype)
-                        for _ in self.streams]
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        out = torch.empty(x.shape[0], self.n, device=x.device, dtype=x.dtype)
-        main = torch.cuda.current_stream()
-        for s in self.streams:
-            s.wait_stream(main)
-        for i, chunk in enumerate(self.chunks):
-            p = i % len(self.streams)
-            width = chunk.shape[1]
-            with torch.cuda.stream(self.streams[p]):
-                slot = self.staging[p][:, :width]
-                slot.copy_(chunk, non_blocking=True)
-                start = i * self.chunk
-                torch.matmul(x, slot, out=out[:, start:start + width])
-        for s in self.streams:
-            main.wait_stream(s)
-        return out
-
-
-class PythonCopyStreamPipeline(PythonCopyPipeline):
-    """The same pipeline with every copy on one copy stream, in slice order: slice i's
-    GEMM (on stream i % pool) waits for its copy's event, and the copy into a staging
-    buffer waits for the event of the GEMM that last read it, so only one copy is ever
-    eligible to run. Measured against the op and the plain pipeline in
-    copy_contention.py (part 3): not reliably faster (README, P4)."""
-
-    def __init__(self, w_host: torch.Tensor, slices: int, pool: int = POOL) -> None:
-        super().__init__(w_host, slices, pool)
-        self.copier = torch.cuda.Stream()
-        self.copied = [torch.cuda.Event() for _ in self.chunks]
-        self.read = [torch.cuda.Event() for _ in self.chunks]
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        out = torch.empty(x.shape[0], self.n, device=x.device, dtype=x.dtype)
-        main = torch.cuda.current_stream()
-        self.copier.wait_stream(main)
-        for s in self.streams:
-            s.wait_stream(main)
-        pool = len(self.streams)
-        for i, chunk in enumerate(self.chunks):
-            p = i % pool
-            width = chunk.shape[1]
-            slot = self.staging[p][:, :width]
-            with torch.cuda.stream(self.copier):
-                if i >= pool:
-                    self.copier.wait_event(self.read[i - pool])
-                slot.copy_(chunk, non_blocking=True)
-                self.copied[i].record()
-            with torch.cuda.stream(self.streams[p]):
-                self.streams[p].wait_event(self.copied[i])
-                start = i * self.chunk
-                torch.matmul(x, slot, out=out[:, start:start + width])
-                self.read[i].record()
-        for s in self.streams:
-            main.wait_stream(s)
-        return out
-
-
-def interleaved(variants: dict[str, Callable[[], Any]], rounds: int, block_ms: float,
-                warmup_s: float) -> dict[str, list[float]]:
-    """Milliseconds per call of each variant, one value per round: blocks of calls
-    (gpu_timing.Block) in an order rotated each round, after a warm-up."""
-    reps = {v: reps_for(gpu_timing.estimate_ms(fn, 3), block_ms, 2, 20)
-            for v, fn in variants.items()}
-    gpu_timing.warm_up(lambda: [fn() for fn in variants.values()], warmup_s, batch=1)
-    blocks = {v: gpu_timing.Block(fn, reps[v]) for v, fn in variants.items()}
-    names = list(variants)
-    times: dict[str, list[float]] = {v: [] for v in names}
-    for r in range(rounds):
-        for v in rotated(names, r):
-            blocks[v].run()
-        torch.cuda.synchronize()
-        for v in names:
-            times[v].append(blocks[v].ms())
-    return times
-
-
-def median_ratio(num: list[float], den: list[float]) -> float:
-    """The median over rounds of the per-round ratio (interleave.ratio_fields)."""
-    return float(ratio_fields("r", num, den)["r"])  # type: ignore[arg-type]
 
 
 _ops: dict[tuple[int, bool], cg.CompiledOp] = {}
@@ -173,16 +77,6 @@ def op_for(slices: int, copy_stream: bool = False) -> cg.CompiledOp:
         _ops[slices, copy_stream] = cg.compile(examples.stream_weights(DTYPE, slices),
                                                pool_size=POOL, copy_stream=copy_stream)
     return _ops[slices, copy_stream]
-
-
-def tune_m(w_host: torch.Tensor, w_dev: torch.Tensor) -> tuple[int, float, float]:
-    """m (a multiple of 256) for which one GEMM [m, K] @ [K, N] takes about as long as
-    copying w to the GPU; with the copy and GEMM (m = 8192) times it was derived from."""
-    copy = gpu_timing.estimate_ms(lambda: w_dev.copy_(w_host, non_blocking=True), 5)
-    x = torch.randn(8192, K, device="cuda", dtype=DTYPE)
-    gpu_timing.warm_up(lambda: torch.matmul(x, w_dev), 0.5)
-    gemm = gpu_timing.estimate_ms(lambda: torch.matmul(x, w_dev), 5)
-    return max(256, round(8192 * copy / gemm / 256) * 256), copy, gemm
 
 
 def measure_shape(label: str, m: int, w_host: torch.Tensor, w_host_t: torch.Tensor,
@@ -216,11 +110,12 @@ def measure_shape(label: str, m: int, w_host: torch.Tensor, w_host_t: torch.Tens
     bad = {v: e for v, e in errors.items() if not e < 2e-2}
     if bad:
         print(f"WARNING {label}: relative error against fp32 above 2e-2: {bad}")
-    estimate_call_ms = gpu_timing.estimate_ms(variants["copy_then_gemm"], 2)
-    host = {s: gpu_timing.host_sample(lambda s=s: op_for(s)(x, w_host), calls=5,
+    estimate_call_ms = estimate_ms(variants["copy_then_gemm"], 2)
+    host = {s: host_sample(lambda s=s: op_for(s)(x, w_host), calls=5,
                                       busy_ms=20 + 5 * estimate_call_ms)
             for s in SLICES}
-    t = interleaved(variants, args.rounds, args.block_ms, args.warmup_s)
+    t = interleaved(variants, args.rounds, block_ms=args.block_ms, min_reps=2, max_reps=20,
+                    warmup_s=args.warmup_s, per_variant_reps=True)
     bound = [max(c, g) for c, g in zip(t["copy"], t["gemm"])]
     med = statistics.median
     rows = []
@@ -312,8 +207,9 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.bench_copy", description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--block-ms", type=float, default=15.0,
                         help="GPU time of one timed block of calls")
@@ -331,7 +227,7 @@ def main() -> int:
     w_host_t = w_host.t().contiguous().pin_memory()
     w_dev = w_host.to("cuda")
     pipelines = {s: PythonCopyPipeline(w_host, s) for s in SLICES}
-    m_bal, copy0, gemm0 = tune_m(w_host, w_dev)
+    m_bal, copy0, gemm0 = balanced_m(w_host, w_dev)
     shapes = {"balanced": m_bal, "copy-bound": max(256, m_bal // 4 // 256 * 256),
               "gemm-bound": 3 * m_bal}
     rows: list[dict[str, Any]] = []
@@ -340,7 +236,7 @@ def main() -> int:
         "gpu": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
-        "command": "PYTHONPATH=. python3 benchmarks/bench_copy.py " + " ".join(sys.argv[1:]),
+        "command": " ".join(["python -m benchmarks.bench_copy", *sys.argv[1:]]),
         "tuning": {"copy_ms": copy0, "gemm_ms_m8192": gemm0, "m_balanced": m_bal},
         "build_s": build_s,
     }

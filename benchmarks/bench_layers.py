@@ -1,7 +1,7 @@
 """Layers as one program: the Llama and GPT MLPs against eager torch, and the host cost of
 an elementwise op per slice, on one GPU.
 
-    PYTHONPATH=. python3 benchmarks/bench_layers.py [--out benchmarks/results] [--rounds N]
+    python -m benchmarks.bench_layers [--out benchmarks/results] [--rounds N] [--skip-mlp]
 
 MLPs (bf16, GPU-resident weights): ``codegen.examples.llama_mlp`` at m = 4096, h = 4096,
 i = 14336 and ``gpt_mlp`` at i = 16384, S = 1 / 2 / 4 stream slices of the intermediate
@@ -33,8 +33,7 @@ import torch
 import torch.nn.functional as F
 
 import codegen as cg
-from benchmarks.gpu_timing import Block, estimate_ms, host_sample, peak_mib, warm_up
-from benchmarks.interleave import ratio_fields, reps_for, rotated
+from benchmarks.common import RESULTS, bind, host_sample, interleaved, peak_mib, ratio_fields
 from codegen import examples
 
 
@@ -48,26 +47,6 @@ def gpt_eager(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor, w2: torch.Ten
               b2: torch.Tensor) -> torch.Tensor:
     """A GPT-2 MLP: c_proj(gelu_new(c_fc(x)))."""
     return F.linear(F.gelu(F.linear(x, w1, b1), approximate="tanh"), w2, b2)
-
-
-def interleaved(variants: dict[str, Any], rounds: int) -> dict[str, list[float]]:
-    """Per variant, its time per call in each round (after a warm-up of 1.5 s)."""
-    warm_up(lambda: [v() for v in variants.values()], 1.5, batch=1)
-    reps = reps_for(estimate_ms(next(iter(variants.values()))), 40.0, 3, 50)
-    blocks = {k: Block(v, reps) for k, v in variants.items()}
-    times: dict[str, list[float]] = {k: [] for k in variants}
-    for r in range(rounds):
-        order = rotated(list(blocks), r)
-        for k in order:
-            blocks[k].run()
-        torch.cuda.synchronize()
-        for k in order:
-            times[k].append(blocks[k].ms())
-    return times
-
-
-def bind(fn: Any, *args: Any) -> Any:
-    return lambda: fn(*args)
 
 
 def mlp_rows(rounds: int, slices: list[int]) -> list[dict[str, Any]]:
@@ -129,8 +108,9 @@ def host_rows(slices: list[int]) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.bench_layers", description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--slices", default="1,2,4")
     parser.add_argument("--skip-mlp", action="store_true")

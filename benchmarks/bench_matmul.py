@@ -1,14 +1,14 @@
 """One GEMM vs the Python stream loop vs the generated op vs its CUDA-graph replay, interleaved.
 
-    PYTHONPATH=. python3 benchmarks/bench_matmul.py             # the table (~4-5 min on an H200)
-    PYTHONPATH=. python3 benchmarks/bench_matmul.py --quick     # smoke run (about a minute)
-    PYTHONPATH=. python3 benchmarks/bench_matmul.py --dry-run   # the plan; no GPU needed
+    python -m benchmarks.bench_matmul             # the table (~4-5 min on an H200)
+    python -m benchmarks.bench_matmul --quick     # smoke run (about a minute)
+    python -m benchmarks.bench_matmul --dry-run   # the plan; no GPU needed
 
 Cases: bf16 matmul at the shapes below, fp16 and fp32 (TF32) matmul at 8192³, and
 linear+bias (x @ w.T + bias) bf16 at 8192³; output rows in S = 1, 2, 4, 8 stream slices.
 Variants of a case: "gemm" (one torch.matmul; F.linear for linear+bias) and per S "loop"
-(the Python stream loop, python_loop.py), "op" (cg.compile of the program: cached
-cuBLASLt plans, the default), "gemmex" (the same program compiled with
+(the Python stream loop, benchmarks.common.PythonStreamLoop), "op" (cg.compile of the
+program: cached cuBLASLt plans, the default), "gemmex" (the same program compiled with
 gemm_library="cublas": one cublasGemmEx per slice, a bias by a second GEMM) and "graph"
 (torch.cuda.CUDAGraph capturing one op call with static inputs and output, replayed).
 
@@ -29,7 +29,7 @@ few percent from block to block, so whatever is timed first wins by up to 13%
    after every (rounds / 10)-th round, the median of the samples. Spread over the run
    because the host's speed drifts: one torch.matmul took 15 to 37 µs within one process.
 `meta.launch_floor_us`: host µs of one cublasLtMatmul launch with cached descriptors and
-algorithm, from a C++ loop (launch_floor.py), measured in the same run, after the cases.
+algorithm, from a C++ loop (benchmarks.launch_floor), measured in the same run, after the cases.
 Programs are built before timing, in parallel subprocesses sharing CODEGEN_CACHE_DIR.
 Writes results.json, table.txt and speed.png to --out (default benchmarks/results).
 """
@@ -52,26 +52,27 @@ from typing import Any
 
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
-BENCH = REPO / "benchmarks"
-for _p in (str(REPO), str(BENCH)):
-    if _p not in sys.path:
-        sys.path.insert(0, _p)
-
-import gpu_timing  # noqa: E402
-import launch_floor  # noqa: E402
-from interleave import (  # noqa: E402
+import codegen as cg
+from benchmarks import launch_floor
+from benchmarks.common import (
+    REPO,
+    RESULTS,
+    Block,
+    PythonStreamLinear,
+    PythonStreamLoop,
+    capture_graph,
+    estimate_ms,
+    host_sample,
     parse_ints,
     parse_shape,
     ratio_fields,
     reps_for,
     rotated,
+    run_rounds,
     spread,
+    warm_up,
 )
-from python_loop import PythonStreamLinear, PythonStreamLoop  # noqa: E402
-
-import codegen as cg  # noqa: E402
-from codegen import examples  # noqa: E402
+from codegen import examples
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32/tf32": torch.float32}
 KINDS = ("matmul", "linear+bias")
@@ -226,9 +227,8 @@ LIBRARIES = {"op": "cublaslt", "gemmex": "cublas"}  # variant -> gemm_library
 
 _PREBUILD = """
 import json, sys
-sys.path[:0] = [{repo!r}, {bench!r}]
 import codegen as cg
-import bench_matmul as bm
+from benchmarks import bench_matmul as bm
 for kind, dtype, slices, library in json.loads(sys.argv[1]):
     cg.compile(bm.make_fusion(kind, dtype, slices), gemm_library=library)
 """
@@ -239,11 +239,13 @@ def prebuild(specs: Sequence[Spec], jobs: int) -> list[str]:
     cache is safe to share). Returns one message per failed subprocess; the caller's own
     cg.compile then builds those again and raises the real error."""
     chunks = [list(specs[i::jobs]) for i in range(jobs) if specs[i::jobs]]
-    code = _PREBUILD.format(repo=str(REPO), bench=str(BENCH))
+    # The children import codegen and benchmarks from this checkout, wherever they start.
+    pythonpath = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "PYTHONPATH": pythonpath}
 
     def run(chunk: list[Spec]) -> str | None:
-        done = subprocess.run([sys.executable, "-c", code, json.dumps(chunk)],
-                              capture_output=True, text=True)
+        done = subprocess.run([sys.executable, "-c", _PREBUILD, json.dumps(chunk)],
+                              capture_output=True, text=True, env=env)
         if done.returncode == 0:
             return None
         return f"prebuild of {chunk} failed:\n{done.stderr[-2000:]}"
@@ -339,7 +341,7 @@ def run_case(case: Case, slices: Sequence[int], ops: dict[Spec, cg.CompiledOp],
             op = ops[(case.kind, case.dtype, s, library)]
             variants[f"{v}/s{s}"] = lambda op=op: op(*inputs)
             errors[f"{v}/s{s}"] = rel_err(variants[f"{v}/s{s}"](), ref)
-        graph, static_out = gpu_timing.capture_graph(variants[f"op/s{s}"])
+        graph, static_out = capture_graph(variants[f"op/s{s}"])
         keep.append((graph, static_out))
         variants[f"graph/s{s}"] = graph.replay
         errors[f"loop/s{s}"] = rel_err(variants[f"loop/s{s}"](), ref)
@@ -350,27 +352,23 @@ def run_case(case: Case, slices: Sequence[int], ops: dict[Spec, cg.CompiledOp],
     if bad:
         log(f"WARNING {case.label}: relative error against fp32 above 2e-2: {bad}")
     del ref
-    reps = {v: reps_for(gpu_timing.estimate_ms(fn), cfg.block_ms, cfg.min_reps, cfg.max_reps)
+    reps = {v: reps_for(estimate_ms(fn), cfg.block_ms, cfg.min_reps, cfg.max_reps)
             for v, fn in variants.items()}
-    gpu_timing.warm_up(gemm, cfg.warmup_s)
-    blocks = {v: gpu_timing.Block(fn, reps[v]) for v, fn in variants.items()}
+    warm_up(gemm, cfg.warmup_s)
+    blocks = {v: Block(fn, reps[v]) for v, fn in variants.items()}
     names = list(variants)
-    times: dict[str, list[float]] = {v: [] for v in names}
     # Host samples are spread over the rounds too: on the H200 machine one torch.matmul's
     # host time moved between 15 and 37 us within one process (cold start, CPU clocks,
     # neighbours), so a burst measured at one moment misleads.
     host_samples: dict[str, list[float]] = {v: [] for v in names}
     every = max(1, cfg.rounds // cfg.host_samples)
-    for r in range(cfg.rounds):
-        for v in rotated(names, r):
-            torch.cuda.synchronize()
-            blocks[v].run()
-        torch.cuda.synchronize()
-        for v in names:
-            times[v].append(blocks[v].ms())
+
+    def sample_host(r: int) -> None:
         if r % every == every - 1:
             for v in rotated(names, r):
-                host_samples[v].append(gpu_timing.host_sample(variants[v]))
+                host_samples[v].append(host_sample(variants[v]))
+
+    times = run_rounds(blocks, cfg.rounds, sync_each=True, after_round=sample_host)
     del keep
     return [summarize(case, s, times, host_samples, errors, reps) for s in slices]
 
@@ -470,10 +468,11 @@ def plan_text(cases: Sequence[Case], slices: Sequence[int], cfg: Config) -> str:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog="\n".join(__doc__.splitlines()[1:]))
-    p.add_argument("--out", type=Path, default=BENCH / "results",
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.bench_matmul", description=__doc__.splitlines()[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="\n".join(__doc__.splitlines()[1:]))
+    p.add_argument("--out", type=Path, default=RESULTS,
                    help="folder for results.json, table.txt, speed.png")
     p.add_argument("--quick", action="store_true",
                    help="smoke run: three cases, S in (1, 4), 8 rounds of 5 ms blocks")
@@ -561,7 +560,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         floor = launch_floor.measure()
         print(f"launch floor: {floor['launch_floor_us']:.2f} us per cublasLtMatmul launch",
               flush=True)
-    command = "PYTHONPATH=. python3 benchmarks/bench_matmul.py" + "".join(
+    command = "python -m benchmarks.bench_matmul" + "".join(
         f" {a}" for a in (argv if argv is not None else sys.argv[1:]))
     meta = {
         "date": datetime.date.today().isoformat(),

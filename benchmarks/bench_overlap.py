@@ -2,9 +2,9 @@
 the compiled op with its collective sliced into the stream loop, against the same GEMM
 with no communication, the collective then one GEMM, and PyTorch's async-TP where it runs.
 
-    PYTHONPATH=. python3 benchmarks/bench_overlap.py --world-size 2      # spawns 2 ranks
-    PYTHONPATH=. torchrun --nproc-per-node 2 benchmarks/bench_overlap.py  # or torchrun
-    PYTHONPATH=. python3 benchmarks/bench_overlap.py --dry-run           # the plan, no GPU
+    python -m benchmarks.bench_overlap --world-size 2          # spawns 2 ranks
+    torchrun --nproc-per-node 2 -m benchmarks.bench_overlap    # or torchrun
+    python -m benchmarks.bench_overlap --dry-run               # the plan, no GPU
 
 Per pattern, shape and slice count S, every rank times the variants interleaved (rounds
 after a warm-up, the order rotated per round, a barrier before each block so all ranks run
@@ -32,11 +32,16 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from interleave import parse_ints, ratio_fields, rotated  # noqa: E402
+from benchmarks.common import (
+    RESULTS,
+    Block,
+    estimate_ms,
+    parse_ints,
+    ratio_fields,
+    reps_for,
+    rotated,
+    warm_up,
+)
 
 MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
                  "NVSHMEM_DISABLE_NVLS": "1"}
@@ -73,8 +78,6 @@ def _rank_main(rank: int, world_size: int, args: argparse.Namespace, store: str)
     os.environ.update(MULTICAST_OFF)
     import torch
     import torch.distributed as dist
-    from gpu_timing import Block, estimate_ms, warm_up
-    from interleave import reps_for
 
     import codegen as cg
     from codegen import examples
@@ -121,7 +124,8 @@ def _rank_main(rank: int, world_size: int, args: argparse.Namespace, store: str)
         out = Path(args.out) / "overlap_multi_gpu.json"
         meta = {"gpu": torch.cuda.get_device_name(device), "torch": torch.__version__,
                 "world_size": world_size, "rounds": args.rounds, "dtype": "bfloat16",
-                "command": " ".join(sys.argv), "multicast": "off"}
+                "command": " ".join(["python -m benchmarks.bench_overlap", *sys.argv[1:]]),
+                "multicast": "off"}
         out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
         print(f"wrote {out}")
     dist.destroy_process_group()
@@ -226,7 +230,8 @@ def _line(row: dict[str, Any]) -> str:
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.bench_overlap", description=__doc__.split("\n\n")[0])
     p.add_argument("--world-size", type=int, default=0,
                    help="ranks to spawn (default: torchrun's WORLD_SIZE, else all GPUs)")
     p.add_argument("--tokens", type=lambda t: parse_ints(t, "tokens"), default=(8192, 1024),
@@ -237,7 +242,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=30)
     p.add_argument("--warmup-s", type=float, default=1.0)
     p.add_argument("--block-ms", type=float, default=10.0)
-    p.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
+    p.add_argument("--out", default=str(RESULTS))
     p.add_argument("--trace", action="store_true",
                    help="also profile one op call per case: rank 0 draws its streams to "
                         "overlap_trace_*.png and prints the collective time hidden")

@@ -1,9 +1,9 @@
 """Where the op's host time goes, on one GPU.
 
-    PYTHONPATH=. python3 benchmarks/host_cost.py [--out benchmarks/results] [--size 2048]
+    python -m benchmarks.host_cost [--out benchmarks/results] [--size 2048]
 
 Host microseconds per call, every sample taken with the GPU kept busy by a sleep kernel
-queued ahead (launches are only queued, never waited for; gpu_timing.host_sample), the
+queued ahead (launches are only queued, never waited for; common.host_sample), the
 variants interleaved sample by sample, medians over --samples:
 
 - ``torch.matmul``: one ATen GEMM, the reference host cost;
@@ -15,12 +15,11 @@ variants interleaved sample by sample, medians over --samples:
   ``CompiledOp`` (``op(a, b)``, the public path) and as its ``torch.ops`` overload
   (``op.op.default(a, b)``; the difference is the Python wrapper);
 - ``inference: ...``: ``torch.matmul`` and the op at S = 1 under
-  ``torch.inference_mode()``, where the dispatcher skips autograd kernels (the op's is
-  torch's C++ autogradNotImplementedFallback, build._no_backward; when it was a Python
-  kernel, this pair showed what that cost);
+  ``torch.inference_mode()``, where the dispatcher skips autograd kernels (torch's and
+  the op's): the pair shows what the autograd kernels cost per call;
 - a least-squares line through the overload's times over S: ``fixed_us`` (intercept, the
   cost of one call with no slices) and ``per_slice_us`` (slope), to compare with
-  ``launch_floor_us`` (one cached cublasLtMatmul launch in a C++ loop, launch_floor.py).
+  ``launch_floor_us`` (one cached cublasLtMatmul launch in a C++ loop, benchmarks.launch_floor).
 
 Then, for the op at S = 4 (cuBLASLt), the CUDA runtime and driver calls it makes per call
 and their host µs, from torch.profiler (CUPTI): what a host-cost cut would remove.
@@ -42,19 +41,11 @@ from typing import Any
 
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
-BENCH = REPO / "benchmarks"
-for _p in (str(REPO), str(BENCH)):
-    if _p not in sys.path:
-        sys.path.insert(0, _p)
-
-import gpu_timing  # noqa: E402
-import launch_floor  # noqa: E402
-from interleave import rotated  # noqa: E402
-
-import codegen as cg  # noqa: E402
-from codegen import examples  # noqa: E402
-from codegen.builder import build_library  # noqa: E402
+import codegen as cg
+from benchmarks import launch_floor
+from benchmarks.common import RESULTS, host_sample, rotated, warm_up
+from codegen import examples
+from codegen.builder import build_library
 
 SLICES = (1, 2, 4, 8)
 LIBRARIES = ("cublaslt", "cublas")
@@ -116,7 +107,7 @@ def measure(variants: dict[str, Callable[[], Any]], samples: int) -> dict[str, f
     for r in range(samples):
         for v in rotated(names, r):
             with torch.inference_mode(v.startswith(INFERENCE)):
-                got[v].append(gpu_timing.host_sample(variants[v]))
+                got[v].append(host_sample(variants[v]))
     return {v: statistics.median(s) for v, s in got.items()}
 
 
@@ -142,8 +133,9 @@ def api_calls(fn: Callable[[], Any], calls: int = 20) -> list[dict[str, Any]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=BENCH / "results")
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.host_cost", description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--size", type=int, default=2048, help="m = n = k (bf16)")
     parser.add_argument("--samples", type=int, default=25)
     args = parser.parse_args(argv)
@@ -169,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     # Under inference mode the dispatcher skips autograd kernels: torch's and the op's
     # (both C++; build._no_backward).
     variants[f"{INFERENCE}torch.matmul"] = lambda: torch.matmul(a, b)
-    gpu_timing.warm_up(lambda: [fn() for fn in variants.values()], 1.0, batch=3)
+    warm_up(lambda: [fn() for fn in variants.values()], 1.0, batch=3)
     us = measure(variants, args.samples)
     floor = launch_floor.measure()["launch_floor_us"]
     lines = [f"{v:>28} {t:8.1f}" for v, t in us.items()]
@@ -204,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     (args.out / "host_cost.json").write_text(json.dumps({
         "meta": {"date": datetime.date.today().isoformat(), "gpu": torch.cuda.get_device_name(),
                  "torch": torch.__version__, "size": args.size, "samples": args.samples,
-                 "launch_floor_us": floor, "method": gpu_timing.host_sample.__doc__},
+                 "launch_floor_us": floor, "method": host_sample.__doc__},
         "host_us": us, "fits": fits, "s1_over_torch_matmul": s1, "parts_cublaslt_s4": parts,
         "api_calls_cublaslt_s4": traced}, indent=1))
     return 0

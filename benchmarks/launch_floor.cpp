@@ -17,8 +17,8 @@
 
 namespace {
 
-// One string, formatted by us: TORCH_CHECK's variadic message formatting crashed on the
-// H200 machine in an earlier probe (tools/host_costs.py).
+// One string, formatted here: TORCH_CHECK's variadic message formatting crashed on the
+// H200 machine.
 void check(cublasStatus_t status, const char* what) {
   if (status != CUBLAS_STATUS_SUCCESS) {
     TORCH_CHECK(false, std::string("launch_floor: ") + what + " failed with cuBLAS status " +

@@ -2,9 +2,11 @@
 
 ``launch_floor.cpp`` loops N times over one ``cublasLtMatmul`` of a small bf16 GEMM whose
 descriptors, layouts, algorithm and workspace were made before the loop, and returns host
-ns per launch. ``measure()`` runs it with the GPU kept busy (as the benchmark times the
-op's host cost) and reports the median over a few blocks: the ``launch_floor_us`` of
-``results.json``. What the generated op adds per slice is measured against it.
+ns per launch. ``measure()`` runs it with the GPU kept busy (as the benchmarks time the
+op's host cost) and reports the median over a few blocks: the ``launch_floor_us`` that
+``benchmarks.bench_matmul`` (``results.json``) and ``benchmarks.host_cost``
+(``host_cost.json``) measure in the same process as the op. What the generated op adds per
+slice is measured against it. It has no command line of its own.
 
 The probe is built with ``torch.utils.cpp_extension.load`` (ninja, cached in
 ``$CODEGEN_CACHE_DIR/bench_launch_floor``) and links cuBLASLt. On a machine without a GPU
@@ -27,8 +29,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from gpu_timing import gpu_busy
 
+from benchmarks.common import gpu_busy
 from codegen.builder import cuda_home
 
 SOURCE = Path(__file__).resolve().with_name("launch_floor.cpp")

@@ -1,6 +1,6 @@
 """A Llama MLP whose weights live in pinned host memory, against its copy floor.
 
-    PYTHONPATH=. python3 benchmarks/mlp_offload.py [--out benchmarks/results] [--rounds N]
+    python -m benchmarks.mlp_offload [--out benchmarks/results] [--rounds N]
 
 ``codegen.examples.llama_mlp(weights="cpu")`` at h = 4096, i = 14336, bf16 (352 MB of
 weights), m = 512 and 4096 tokens, S = 2 / 4 / 8 / 16 slices, as one program with a copy
@@ -34,8 +34,7 @@ import torch
 import torch.nn.functional as F
 
 import codegen as cg
-from benchmarks.bench_layers import bind, interleaved
-from benchmarks.interleave import per_round_ratios
+from benchmarks.common import RESULTS, bind, interleaved, per_round_ratios
 from codegen import examples
 
 HIDDEN, INTER = 4096, 14336
@@ -127,8 +126,9 @@ def rows_for(tokens: int, slices: list[int], rounds: int) -> list[dict[str, Any]
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.mlp_offload", description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--tokens", default="512,4096")
     parser.add_argument("--slices", default="2,4,8,16")

@@ -1,6 +1,6 @@
 """A 4-layer transformers Llama whose decoder Linear weights live in host memory.
 
-    PYTHONPATH=. python3 benchmarks/offload_llama.py [--out benchmarks/results] [--rounds N]
+    python -m benchmarks.offload_llama [--out benchmarks/results] [--rounds N]
 
 h 4096, i 14336, 32 heads, 8 kv heads, vocab 32000, bf16, random weights; the decoder
 layers' Linear weights (1.63 GiB) offloaded, embeddings, norms and lm_head on the GPU, as:
@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 import codegen.nn
-from benchmarks.bench_layers import bind, interleaved
+from benchmarks.common import RESULTS, bind, interleaved
 
 
 def llama() -> Any:
@@ -76,8 +76,9 @@ class DecodeStep:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.offload_llama", description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--tokens", default="512,4096")
     args = parser.parse_args(argv)

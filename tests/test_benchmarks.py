@@ -1,11 +1,10 @@
-"""The benchmark scripts without a GPU: their pure-Python parts (round orders, medians of
+"""The benchmarks without a GPU: their pure-Python parts (round orders, medians of
 per-round ratios, row fields, case selection), their command lines (--help, --dry-run),
-the programs they time (through the evaluator), and the launch-floor probe's build."""
+the programs they time (through the evaluator), and the launch-floor baseline's build."""
 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -15,24 +14,51 @@ import torch
 from conftest import ints
 
 import codegen as cg
+from benchmarks import bench_build as bb
+from benchmarks import bench_matmul as bm
+from benchmarks import common as il
+from benchmarks import launch_floor
 
 REPO = Path(__file__).resolve().parent.parent
-BENCH = REPO / "benchmarks"
-sys.path.insert(0, str(BENCH))
-
-import bench_build as bb  # noqa: E402
-import bench_matmul as bm  # noqa: E402
-import interleave as il  # noqa: E402
-import launch_floor  # noqa: E402
+PRODUCT = ("bench_matmul", "bench_layers", "bench_copy", "mlp_offload", "offload_llama",
+           "backward", "host_cost", "bench_overlap", "bench_build")
+PROBES = ("copy2d_probe", "copy_contention", "copy_trace", "small_gemm_probe")
 
 
-def run_script(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, *args], capture_output=True, text=True, cwd=REPO,
-                          env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})},
-                          timeout=120)
+def run_module(module: str, *args: str) -> subprocess.CompletedProcess:
+    """``python -m module args`` from the checkout's root, as the docs run it."""
+    return subprocess.run([sys.executable, "-m", module, *args], capture_output=True,
+                          text=True, cwd=REPO, timeout=120)
 
 
-# ---------------------------------------------------------------------------- interleave
+# ---------------------------------------------------------------------------- the package
+
+
+@pytest.mark.parametrize("module", [f"benchmarks.{m}" for m in PRODUCT]
+                         + [f"benchmarks.probes.{m}" for m in PROBES])
+def test_every_benchmark_and_probe_takes_help_without_a_gpu(module):
+    done = run_module(module, "--help")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("usage: ")
+
+
+def test_no_benchmark_edits_sys_path_and_probes_use_only_the_shared_module():
+    bench = REPO / "benchmarks"
+    scripts = sorted(bench.glob("*.py")) + sorted((bench / "probes").glob("*.py"))
+    assert {p.stem for p in scripts} >= set(PRODUCT) | set(PROBES) | {"common"}
+    for path in scripts:
+        text = path.read_text()
+        assert "sys.path.insert" not in text and "sys.path[" not in text, path
+        assert "python3 benchmarks/" not in text, path  # commands are python -m ...
+    for path in (bench / "probes").glob("*.py"):
+        for name in PRODUCT:
+            assert f"benchmarks.{name} import" not in path.read_text(), (path, name)
+            assert f"from benchmarks import {name}" not in path.read_text(), (path, name)
+    listed = (bench / "probes" / "README.md").read_text()
+    assert all(f"benchmarks.probes.{m}" in listed for m in PROBES)
+
+
+# ---------------------------------------------------------------------------- interleaving
 
 
 def test_rotation_puts_every_variant_in_every_position_once():
@@ -81,6 +107,65 @@ def test_reps_for_targets_block_time_within_bounds():
     assert il.reps_for(0.0, 15.0, 3, 200) == 3
     with pytest.raises(ValueError):
         il.reps_for(1.0, 15.0, 5, 4)
+
+
+def test_run_rounds_rotates_the_order_and_reads_every_round(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    ran = []
+
+    class FakeBlock:
+        def __init__(self, name):
+            self.name, self.runs = name, 0
+
+        def run(self):
+            ran.append(self.name)
+            self.runs += 1
+
+        def ms(self):
+            return float(self.runs)
+
+    after = []
+    times = il.run_rounds({n: FakeBlock(n) for n in "abc"}, 3, after_round=after.append)
+    assert ran == list("abc" "bca" "cab")
+    assert times == {n: [1.0, 2.0, 3.0] for n in "abc"}
+    assert after == [0, 1, 2]
+
+
+@pytest.mark.parametrize("per_variant", [False, True])
+def test_interleaved_chooses_reps_and_warms_up(monkeypatch, per_variant):
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    events, reps = [], {}
+    ms = {"a": 1.0, "b": 4.0}
+    monkeypatch.setattr(il, "warm_up", lambda fn, seconds, batch: events.append(("warm", seconds)))
+
+    def estimate(fn, calls=5):
+        events.append(("estimate", fn(), calls))
+        return ms[fn()]
+
+    class FakeBlock:
+        def __init__(self, fn, n):
+            reps[fn()] = n
+
+        def run(self):
+            pass
+
+        def ms(self):
+            return 1.0
+
+    monkeypatch.setattr(il, "estimate_ms", estimate)
+    monkeypatch.setattr(il, "Block", FakeBlock)
+    variants = {"a": lambda: "a", "b": lambda: "b"}
+    if per_variant:  # bench_copy's: one count per variant, estimated before the warm-up
+        times = il.interleaved(variants, 2, block_ms=15.0, min_reps=2, max_reps=20,
+                               warmup_s=1.0, per_variant_reps=True)
+        assert events == [("estimate", "a", 3), ("estimate", "b", 3), ("warm", 1.0)]
+        assert reps == {"a": 15, "b": 4}
+    else:  # bench_layers': one count from the first variant, after the warm-up
+        times = il.interleaved(variants, 2)
+        assert events == [("warm", 1.5), ("estimate", "a", 5)]
+        assert reps == {"a": 40, "b": 40}
+    assert times == {"a": [1.0, 1.0], "b": [1.0, 1.0]}
+    assert il.median_ratio([2.0, 3.0, 10.0], [1.0, 1.0, 1.0]) == 3.0
 
 
 def test_parse_shape_and_ints():
@@ -208,36 +293,36 @@ def test_program_names_differ_per_kind_dtype_and_slices():
 
 
 def test_bench_matmul_help_and_dry_run_without_gpu():
-    done = run_script("benchmarks/bench_matmul.py", "--help")
+    done = run_module("benchmarks.bench_matmul", "--help")
     assert done.returncode == 0, done.stderr
     assert "--quick" in done.stdout and "--shapes" in done.stdout and "--rounds" in done.stdout
-    done = run_script("benchmarks/bench_matmul.py", "--dry-run")
+    done = run_module("benchmarks.bench_matmul", "--dry-run")
     assert done.returncode == 0, done.stderr
     assert "9 cases" in done.stdout and "17 variants per round" in done.stdout
     assert "linear+bias bf16 8192x8192x8192" in done.stdout
-    done = run_script("benchmarks/bench_matmul.py", "--quick", "--shapes", "linear",
+    done = run_module("benchmarks.bench_matmul", "--quick", "--shapes", "linear",
                       "--slices", "2", "--rounds", "3", "--dry-run")
     assert done.returncode == 0, done.stderr
     assert "1 cases x S in [2]" in done.stdout and "rounds 3" in done.stdout
-    done = run_script("benchmarks/bench_matmul.py", "--shapes", "int8", "--dry-run")
+    done = run_module("benchmarks.bench_matmul", "--shapes", "int8", "--dry-run")
     assert done.returncode == 2 and "unknown word 'int8'" in done.stderr
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message shown without a GPU")
 def test_bench_matmul_without_gpu_says_so():
-    done = run_script("benchmarks/bench_matmul.py", "--quick", "--no-floor")
+    done = run_module("benchmarks.bench_matmul", "--quick", "--no-floor")
     assert done.returncode == 1 and "needs a CUDA GPU" in done.stderr
 
 
 # ---------------------------------------------------------------------------- launch floor
 
 
-def test_launch_floor_probe_builds_without_gpu(cache_dir):
-    """The C++ probe compiles and registers its op here (it runs only on a GPU); built in
+def test_launch_floor_builds_without_gpu(cache_dir):
+    """The C++ loop compiles and registers its op here (it runs only on a GPU); built in
     the session's cache, so ninja rebuilds it only when the source changed."""
     home = launch_floor.cuda_home()
     if home is None:
-        pytest.skip("no CUDA toolkit with headers here: the probe cannot be built")
+        pytest.skip("no CUDA toolkit with headers here: the launch floor cannot be built")
     try:
         launch_floor.cublaslt_include_dirs(home)
     except launch_floor.ProbeUnavailable as e:
@@ -291,17 +376,17 @@ def test_build_summary_and_table():
 
 
 def test_bench_build_help_and_dry_run():
-    done = run_script("benchmarks/bench_build.py", "--help")
+    done = run_module("benchmarks.bench_build", "--help")
     assert done.returncode == 0, done.stderr
     assert "--programs" in done.stdout
-    done = run_script("benchmarks/bench_build.py", "--dry-run")
+    done = run_module("benchmarks.bench_build", "--dry-run")
     assert done.returncode == 0, done.stderr
     assert "first program" in done.stdout and "cold build" in done.stdout
     assert "warm load" in done.stdout
 
 
 def test_overlap_cases_cover_s_1_d_2d_4d_and_local_shapes():
-    import bench_overlap as bo
+    from benchmarks import bench_overlap as bo
 
     cases = bo.cases(2, (8192, 1024), 8192, 28672, None)
     assert {c["slices"] for c in cases} == {1, 2, 4, 8}
@@ -315,8 +400,7 @@ def test_overlap_cases_cover_s_1_d_2d_4d_and_local_shapes():
 
 
 def test_overlap_dry_run_needs_no_gpu():
-    out = subprocess.run([sys.executable, str(BENCH / "bench_overlap.py"), "--dry-run",
-                          "--world-size", "4"], capture_output=True, text=True, timeout=120)
+    out = run_module("benchmarks.bench_overlap", "--dry-run", "--world-size", "4")
     assert out.returncode == 0, out.stderr
     assert "allgather_matmul 4 [8192, 8192, 28672] 16" in out.stdout
 
@@ -326,13 +410,12 @@ def test_overlap_dry_run_needs_no_gpu():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the message is for machines without one")
 def test_host_cost_says_it_needs_a_gpu():
-    done = run_script("benchmarks/host_cost.py")
+    done = run_module("benchmarks.host_cost")
     assert done.returncode == 1 and "needs a CUDA GPU" in done.stderr
 
 
 def test_host_cost_ladder_builds_and_registers_each_step(cache_dir):
-    import host_cost
-
+    from benchmarks import host_cost
     from codegen.builder import build_library
 
     build_library("codegen_bench_host_cost_ladder", host_cost.LADDER_SOURCE)
@@ -342,15 +425,15 @@ def test_host_cost_ladder_builds_and_registers_each_step(cache_dir):
             f"codegen_bench::host_cost_step{i}(Tensor a, Tensor b) -> Tensor"
 
 
-def test_bench_copy_nvtx_cost_probe_builds_and_runs_without_gpu():
-    import bench_copy
+def test_bench_copy_nvtx_cost_builds_and_runs_without_gpu():
+    from benchmarks import bench_copy
 
     ns = bench_copy.nvtx_range_ns()  # None only where no CUDA toolkit is found
     assert ns is None or 0 < ns < 10_000
 
 
 def test_bench_overlap_row_and_line():
-    import bench_overlap as bo
+    from benchmarks import bench_overlap as bo
 
     case = bo.cases(1, (64,), 32, 16, (2,))[0]
     times = {"overlap": [1.1, 2.2, 3.3], "local_gemm": [1.0, 2.0, 3.0],
@@ -367,8 +450,7 @@ def test_bench_overlap_row_and_line():
 
 def test_bench_overlap_trace_draws_and_reports(tmp_path, monkeypatch):
     pytest.importorskip("matplotlib")
-    import bench_overlap as bo
-
+    from benchmarks import bench_overlap as bo
     from codegen import timeline
 
     ag, gemm = "ncclDevKernel_AllGather_RING_LL", "nvjet_gemm"
@@ -388,8 +470,7 @@ def test_copy_trace_splits_a_sustained_trace_into_calls(monkeypatch):
     """Two calls of two slices each, by hand: copies of 300 us, GEMMs of 250 us after
     them; the second copy of a call starts 5 us after the first ends, and the next call
     starts 45 us after the last GEMM of the one before."""
-    import copy_trace
-
+    from benchmarks.probes import copy_trace
     from codegen.timeline import KernelEvent
 
     events = []

@@ -711,12 +711,10 @@ def test_timeline_slices_and_streams():
 
 
 def test_bench_copy_table_and_ratios():
-    import sys
+    from benchmarks import bench_copy
+    from benchmarks.common import median_ratio
 
-    sys.path.insert(0, str(TESTS.parent / "benchmarks"))
-    import bench_copy
-
-    assert bench_copy.median_ratio([2.0, 3.0, 10.0], [1.0, 1.0, 1.0]) == 3.0
+    assert median_ratio([2.0, 3.0, 10.0], [1.0, 1.0, 1.0]) == 3.0
     row = {"shape": "balanced", "m": 13312, "slices": 8, "copy_ms": 2.4, "gemm_ms": 2.3,
            "op_ms": 2.8, "op_ratio": 1.17, "floor_ratio": 1.125, "op_floor_ratio": 1.04,
            "op_cs_floor_ratio": 1.01, "op_col_ratio": 1.15, "python_ratio": 1.2,

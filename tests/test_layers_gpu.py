@@ -142,7 +142,7 @@ def test_epilogue_and_its_fallback(library, cache_dir):
 
 
 def peak_mib(fn):
-    from benchmarks.gpu_timing import peak_mib as measure  # run from the checkout's root
+    from benchmarks.common import peak_mib as measure
 
     return measure(fn)
 
@@ -164,7 +164,7 @@ def test_peak_memory_at_most_eager(cache_dir):
 
 
 def test_mlp_graph_capture_replays(cache_dir):
-    from benchmarks.gpu_timing import capture_graph
+    from benchmarks.common import capture_graph
 
     xs = _randn([(64, 128), (256, 128), (256, 128), (128, 256)], torch.bfloat16)
     op = cg.compile(examples.llama_mlp(torch.bfloat16, 4, name="llama_mlp_graph"))

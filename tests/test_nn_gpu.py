@@ -63,7 +63,7 @@ def test_memory_report_and_pinned_arena(cache_dir):
 
 
 def test_a_one_token_forward_is_captured_and_replayed(cache_dir):
-    from benchmarks.gpu_timing import capture_graph
+    from benchmarks.common import capture_graph
 
     model = codegen.nn.offload(tiny_llama(torch.bfloat16), slices=2)
     ids = torch.randint(0, 101, (1, 1), device="cuda")

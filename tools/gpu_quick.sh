@@ -1,9 +1,9 @@
-# One device call: the GPU tests, then the layer benchmarks (the MLPs against eager, the
-# host cost of an elementwise op, the offloaded MLP against its copy floor). Everything it
-# prints also goes to $OUT (at most 8 files).
+# On a machine with a GPU, from the checkout's root: the GPU tests, then the layer benchmarks
+# (the MLPs against eager, the host cost of an elementwise op, the offloaded MLP against its
+# copy floor). Everything it prints also goes to $OUT.
 #   bash tools/gpu_quick.sh                            all GPU tests first
 #   bash tools/gpu_quick.sh tests/test_layers_gpu.py   a subset
-#   BENCH="copy matmul" bash tools/gpu_quick.sh        also bench_copy / bench_matmul
+#   BENCH="copy matmul" bash tools/gpu_quick.sh        also benchmarks.bench_copy / bench_matmul
 export CODEGEN_CACHE_DIR=${CODEGEN_CACHE_DIR:-/tmp/cgc2} PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 export PYTHONPATH=.
 OUT=${OUT:-/tmp}; mkdir -p $OUT/bm
@@ -11,11 +11,11 @@ nvidia-smi --query-gpu=name,driver_version,power.limit --format=csv,noheader
 timeout ${TEST_S:-330} python3 -X faulthandler -m pytest -m gpu -q -p no:cacheprovider \
   --tb=short -rfEs "$@" > $OUT/gpu.log 2>&1; echo "pytest exit $?"
 grep -E "^(FAILED|ERROR)|passed|failed" $OUT/gpu.log | tail -40
-timeout ${LAYERS_S:-100} python3 benchmarks/bench_layers.py --out $OUT $LAYERS_ARGS 2>&1 | tee $OUT/layers.log | tail -12
-timeout ${OFFLOAD_S:-150} python3 benchmarks/mlp_offload.py --out $OUT 2>&1 | tee $OUT/mlp_offload.log | tail -32
+timeout ${LAYERS_S:-100} python3 -m benchmarks.bench_layers --out $OUT $LAYERS_ARGS 2>&1 | tee $OUT/layers.log | tail -12
+timeout ${OFFLOAD_S:-150} python3 -m benchmarks.mlp_offload --out $OUT 2>&1 | tee $OUT/mlp_offload.log | tail -32
 case " $BENCH " in *" copy "*)
-  timeout ${COPY_S:-150} python3 benchmarks/bench_copy.py --rounds ${COPY_ROUNDS:-9} --out $OUT 2>&1 | tee $OUT/copy.log | tail -22;;
+  timeout ${COPY_S:-150} python3 -m benchmarks.bench_copy --rounds ${COPY_ROUNDS:-9} --out $OUT 2>&1 | tee $OUT/copy.log | tail -22;;
 esac
 case " $BENCH " in *" matmul "*)
-  timeout ${BENCH_S:-90} python3 benchmarks/bench_matmul.py --shapes bf16:8192,bf16:2048 --slices 1,4 --rounds ${BENCH_ROUNDS:-20} --no-plot --out $OUT/bm 2>&1 | tee $OUT/bench.log | tail -12;;
+  timeout ${BENCH_S:-90} python3 -m benchmarks.bench_matmul --shapes bf16:8192,bf16:2048 --slices 1,4 --rounds ${BENCH_ROUNDS:-20} --no-plot --out $OUT/bm 2>&1 | tee $OUT/bench.log | tail -12;;
 esac

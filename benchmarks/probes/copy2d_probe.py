@@ -1,16 +1,17 @@
 """Host-to-device bandwidth of 2-D copies (column blocks of a row-major pinned matrix)
 by row width, on one stream and spread over four, beside 1-D copies of the same bytes.
 
-    PYTHONPATH=. python3 benchmarks/copy2d_probe.py
+    python -m benchmarks.probes.copy2d_probe
 
 Why: stream_weights copies each slice of w [k, n] (columns n/S) with one
-cudaMemcpy2DAsync, rows n/S * 2 bytes wide; bench_copy.py found those copies slower than
-1-D copies of the same bytes once rows are 4 KiB or narrower. This says whether the row
-width or the concurrency is to blame. Prints GB/s (best of 5 blocks); about 10 s.
+cudaMemcpy2DAsync, rows n/S * 2 bytes wide; benchmarks.bench_copy found those copies slower
+than 1-D copies of the same bytes once rows are 4 KiB or narrower. This says whether the
+row width or the concurrency is to blame. Prints GB/s (best of 5 blocks); about 10 s.
 """
 
 from __future__ import annotations
 
+import argparse
 import ctypes
 import functools
 import glob
@@ -74,6 +75,9 @@ def copies_gbps(streams: int, slices: int, two_d: bool) -> float:
 
 
 def main() -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.probes.copy2d_probe",
+                                     description=__doc__.splitlines()[0])
+    parser.parse_args()
     if not torch.cuda.is_available():
         print("copy2d_probe: needs a CUDA GPU", file=sys.stderr)
         return 1

@@ -1,11 +1,11 @@
 """Do the GEMM slices slow the host-to-device copies that run under them, and does an SM
 budget for the GEMMs give the copies their bandwidth back?
 
-    PYTHONPATH=. python3 benchmarks/copy_contention.py [--rounds 7] [--sm 0,120,100]
+    python -m benchmarks.probes.copy_contention [--rounds 7] [--sm 0,120,100] [--parts 1,2,3,4]
 
-A sustained trace of the weight-streaming op (``copy_trace.py --calls``) showed where a
+A sustained trace of the weight-streaming op (``copy_trace --calls``) showed where a
 balanced call loses time against its floor: the copies move 50-53 GB/s under the GEMMs,
-against 55 GB/s alone. This asks why, in two parts, for k = n = 8192 bf16:
+against 55 GB/s alone. This asks why, in four parts, for k = n = 8192 bf16:
 
 1. **Copy rate under a load.** 128 MiB of pinned memory copied to the GPU as 16 1-D
    copies of 8 MiB on one stream, back to back, timed by CUDA events on that stream,
@@ -16,14 +16,14 @@ against 55 GB/s alone. This asks why, in two parts, for k = n = 8192 bf16:
    the Python pipeline's (torch.matmul with a row-major slot). GB/s, median of rounds.
 2. **The op with an SM budget.** The op at S = 8 and 16 (1-D slices) built with each
    ``gemm_sm_count``, interleaved with the Python pipeline, copy alone and GEMM alone on
-   the balanced shape: time / (max(copy, GEMM) * (1 + 1/S)), the P4 floor.
+   the balanced shape: time / (max(copy, GEMM) * (1 + 1/S)), the pipeline's floor.
 3. **One copy stream.** The op and the Python pipeline against the same pipeline with
-   every copy on one copy stream (``bench_copy.PythonCopyStreamPipeline``), at S = 4, 8,
+   every copy on one copy stream (``common.PythonCopyStreamPipeline``), at S = 4, 8,
    16, interleaved; then ``--calls`` calls of the latter traced back to back.
 4. **Which pinned buffer.** Copy alone and the op at S = 16 reading one w call after
    call, against four in turn.
 
-What it showed on the H200 (README, "Measured on the H200"; ``results/copy_contention.txt``):
+What it showed on the H200 (``results/copy_contention.txt``):
 the copies kept 53.5-54.1 GB/s under every load, into new places or reused slots; an SM
 budget made the op slower; one copy stream was not reliably better (its traced copies
 moved 51-52.5 GB/s, like theirs; ahead at S = 16 by 1-6% in two runs, not at S <= 8);
@@ -36,21 +36,23 @@ import argparse
 import statistics
 import sys
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "benchmarks"))
-
-import bench_copy  # noqa: E402
-import gpu_timing  # noqa: E402
-from bench_copy import DTYPE, POOL, K, N, PythonCopyPipeline, PythonCopyStreamPipeline  # noqa: E402
-from interleave import rotated  # noqa: E402
-
-import codegen as cg  # noqa: E402
-from codegen import examples  # noqa: E402
+import codegen as cg
+from benchmarks.common import (
+    CYCLES_PER_MS,
+    POOL,
+    PythonCopyPipeline,
+    PythonCopyStreamPipeline,
+    balanced_m,
+    estimate_ms,
+    interleaved,
+    median_ratio,
+    rotated,
+)
+from benchmarks.probes.copy_trace import DTYPE, K, N, op_for, sustained
+from codegen import examples
 
 COPIES = 16  # chunks of the 128 MiB copy in part 1
 
@@ -87,11 +89,11 @@ def part1(w_host: torch.Tensor, m: int, sms: list[int], rounds: int) -> None:
     dst = torch.empty(K, N, device="cuda", dtype=DTYPE)
     copy_ms = K * N * 2 / 55e6  # about: 55 GB/s
     loads: dict[str, Callable[[], None] | None] = {"nothing": None}
-    loads["sleep kernel"] = lambda: torch.cuda._sleep(int(2 * copy_ms * gpu_timing.CYCLES_PER_MS))
+    loads["sleep kernel"] = lambda: torch.cuda._sleep(int(2 * copy_ms * CYCLES_PER_MS))
 
     def repeat(fn: Callable[[], object]) -> Callable[[], None]:
         """``fn`` called often enough to outlast the copies twice over."""
-        calls = max(1, round(2 * copy_ms / gpu_timing.estimate_ms(fn, 5)))
+        calls = max(1, round(2 * copy_ms / estimate_ms(fn, 5)))
 
         def load() -> None:
             for _ in range(calls):
@@ -139,11 +141,18 @@ def _check(what: str, y: torch.Tensor, ref: torch.Tensor) -> None:
         print(f"WARNING {what}: relative error {err:.3g} against fp32")
 
 
+def _interleaved(variants: dict[str, Callable[[], object]], rounds: int,
+                 warmup_s: float) -> dict[str, list[float]]:
+    """Per-round ms of each variant, timed as benchmarks.bench_copy times its variants."""
+    return interleaved(variants, rounds, block_ms=15.0, min_reps=2, max_reps=20,
+                       warmup_s=warmup_s, per_variant_reps=True)
+
+
 def _time_against_floor(title: str, variants: dict[str, Callable[[], object]],
                         rounds: int) -> None:
     """Times ``variants`` interleaved and prints each one (named ``what/s<S>...``) over
     its floor max(copy, GEMM) * (1 + 1/S)."""
-    t = bench_copy.interleaved(variants, rounds, 15.0, 1.5)
+    t = _interleaved(variants, rounds, 1.5)
     bound = [max(c, g) for c, g in zip(t["copy"], t["gemm"])]
     print(f"\n{title}: copy {statistics.median(t['copy']):.3f} ms, GEMM "
           f"{statistics.median(t['gemm']):.3f} ms; time / (max(copy, GEMM) * (1 + 1/S)), "
@@ -153,7 +162,7 @@ def _time_against_floor(title: str, variants: dict[str, Callable[[], object]],
             continue
         s = int(v.split("/")[1][1:])
         print(f"  {v:>16}  {statistics.median(t[v]):7.3f} ms  "
-              f"{bench_copy.median_ratio(t[v], bound) / (1 + 1 / s):6.3f}")
+              f"{median_ratio(t[v], bound) / (1 + 1 / s):6.3f}")
 
 
 def part2(w_host: torch.Tensor, w_dev: torch.Tensor, m: int, sms: list[int],
@@ -174,11 +183,9 @@ def part2(w_host: torch.Tensor, w_dev: torch.Tensor, m: int, sms: list[int],
 def part3(w_host: torch.Tensor, w_dev: torch.Tensor, m: int, rounds: int,
           calls: int) -> None:
     """The op and the Python pipeline against the Python pipeline with one copy stream."""
-    from copy_trace import sustained
-
     x, w_col, ref, variants = _balanced(w_host, w_dev, m)
     for s in (4, 8, 16):
-        op = bench_copy.op_for(s)
+        op = op_for(s)
         plain, streamed = PythonCopyPipeline(w_host, s), PythonCopyStreamPipeline(w_host, s)
         _check(f"copy-stream pipeline S={s}", streamed(x), ref)
         variants[f"op/s{s}"] = lambda op=op: op(x, w_col)
@@ -199,7 +206,7 @@ def part4(w_host: torch.Tensor, m: int, rounds: int, buffers: int = 4) -> None:
     w_dev = torch.empty(K, N, device="cuda", dtype=DTYPE)
     rows = [w_host] + [torch.randn(K, N, dtype=DTYPE).pin_memory() for _ in range(buffers - 1)]
     cols = [w.t().contiguous().pin_memory().t() for w in rows]
-    op = bench_copy.op_for(16)
+    op = op_for(16)
     turn = {"copy": 0, "op": 0}
 
     def next_of(what: str, ws: list[torch.Tensor]) -> torch.Tensor:
@@ -213,7 +220,7 @@ def part4(w_host: torch.Tensor, m: int, rounds: int, buffers: int = 4) -> None:
         "op S=16, one w": lambda: op(x, cols[0]),
         f"op S=16, {buffers} in turn": lambda: op(x, next_of("op", cols)),
     }
-    t = bench_copy.interleaved(variants, rounds, 15.0, 1.0)
+    t = _interleaved(variants, rounds, 1.0)
     print(f"\nPart 4: one pinned buffer against {buffers} in turn, m = {m}, median of "
           f"{rounds} rounds")
     for v in variants:
@@ -221,7 +228,8 @@ def part4(w_host: torch.Tensor, m: int, rounds: int, buffers: int = 4) -> None:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.probes.copy_contention", description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--parts", default="1,2,3,4")
     parser.add_argument("--calls", type=int, default=5, help="calls traced in part 3")
@@ -234,7 +242,7 @@ def main() -> int:
     sms = [int(v) for v in args.sm.split(",")]
     w_host = torch.randn(K, N, dtype=DTYPE).pin_memory()
     w_dev = w_host.to("cuda")
-    m, _, _ = bench_copy.tune_m(w_host, w_dev)
+    m, _, _ = balanced_m(w_host, w_dev)
     parts = args.parts.split(",")
     if "1" in parts:
         part1(w_host, m, sms, args.rounds)

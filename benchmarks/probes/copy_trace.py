@@ -1,9 +1,9 @@
 """One traced call of the weight-streaming op: when each slice's copy and GEMM ran, on
 which stream, and at what bandwidth each copy moved. The question it answers: why do
 2-D slices of a row-major w fall behind dense (1-D) slices of w^T under the GEMMs
-(README, "Measured on the H200", P4)?
+(benchmarks.bench_copy)?
 
-    PYTHONPATH=. python3 benchmarks/copy_trace.py [--m 12288] [--slices 4,8] [--calls N]
+    python -m benchmarks.probes.copy_trace [--m 12288] [--slices 4,8] [--calls N]
 
 For k = n = 8192 bf16 and each S, it profiles one call (after warm-up) of
 ``examples.stream_weights`` with w row-major (one cudaMemcpy2DAsync per slice) and with
@@ -19,29 +19,34 @@ where a sustained loop loses time (``sustained``). On the H200 (``results/
 copy_sustained.txt``) a call of the op at S = 16 lost its time to copies moving 51 GB/s
 against 55 GB/s alone; the last GEMM and the idle time stayed within the floor.
 
-What it showed on the H200 (m = 12288, README "Measured on the H200"): the copies ran
-back to back in slice order, each slice's GEMM under the next slice's copy, for both
-layouts; the 2-D copies moved 49 GB/s with 4 KiB rows (S = 4) and 37 GB/s with 2 KiB
-rows (S = 8), the 1-D ones 52-55 GB/s.
+What it showed on the H200 (m = 12288, ``results/copy_trace.txt``): the copies ran back to
+back in slice order, each slice's GEMM under the next slice's copy, for both layouts; the
+2-D copies moved 49 GB/s with 4 KiB rows (S = 4) and 37 GB/s with 2 KiB rows (S = 8), the
+1-D ones 52-55 GB/s.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "benchmarks"))
+import codegen as cg
+from benchmarks.common import POOL, PythonCopyPipeline
+from codegen import examples
+from codegen.timeline import COPIES, KernelEvent, covered, profile_gpu, union
 
-from bench_copy import DTYPE, K, N, PythonCopyPipeline, op_for  # noqa: E402
+K = N = 8192  # w [K, N] bf16: 128 MiB, as benchmarks.bench_copy streams it
+DTYPE = torch.bfloat16
 
-import codegen as cg  # noqa: E402
-from codegen.timeline import COPIES, KernelEvent, covered, profile_gpu, union  # noqa: E402
+
+@functools.cache
+def op_for(slices: int) -> cg.CompiledOp:
+    """The weight-streaming op of benchmarks.bench_copy at S = ``slices``."""
+    return cg.compile(examples.stream_weights(DTYPE, slices), pool_size=POOL)
 
 
 def trace(op: cg.CompiledOp, x: torch.Tensor, w: torch.Tensor) -> str:
@@ -97,7 +102,7 @@ def sustained(fn: Callable[[], object], copies_per_call: int, calls: int) -> str
 
 def sustained_all(m: int, slices: list[int], calls: int) -> None:
     """``sustained`` for the op (2-D and 1-D slices), the Python pipeline, copy alone and
-    copy-then-GEMM, as bench_copy times them."""
+    copy-then-GEMM, as benchmarks.bench_copy times them."""
     x = torch.randn(m, K, device="cuda", dtype=DTYPE)
     w_rows = torch.randn(K, N, dtype=DTYPE).pin_memory()
     w_cols = w_rows.t().contiguous().pin_memory().t()
@@ -122,12 +127,16 @@ def sustained_all(m: int, slices: list[int], calls: int) -> None:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.probes.copy_trace", description=__doc__)
     parser.add_argument("--m", type=int, default=12288)
     parser.add_argument("--slices", default="4,8")
     parser.add_argument("--calls", type=int, default=1,
                         help="trace this many calls back to back (see the docstring)")
     args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("copy_trace: needs a CUDA GPU", file=sys.stderr)
+        return 1
     if args.calls > 1:
         sustained_all(args.m, [int(v) for v in args.slices.split(",")], args.calls)
         return 0

@@ -1,7 +1,7 @@
 """Why a split 2048^3 GEMM replayed from a CUDA graph is slower than one GEMM (target
 <= 1.3x): GPU time only, no host cost.
 
-    PYTHONPATH=. python3 benchmarks/small_gemm_probe.py [--size 2048] [--rounds 30]
+    python -m benchmarks.probes.small_gemm_probe [--size 2048] [--rounds 30]
 
 Interleaved (order rotated per round, after a warm-up), each variant a CUDA graph of one
 call, replayed in blocks: one GEMM; the op at S = 2 and 4 with every GEMM on all SMs and
@@ -16,27 +16,24 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "benchmarks"))
-
-import gpu_timing  # noqa: E402
-from interleave import ratio_fields, rotated  # noqa: E402
-
-import codegen as cg  # noqa: E402
-from codegen import examples  # noqa: E402
-from codegen.timeline import profile_gpu  # noqa: E402
+import codegen as cg
+from benchmarks.common import Block, capture_graph, ratio_fields, run_rounds, warm_up
+from codegen import examples
+from codegen.timeline import profile_gpu
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.probes.small_gemm_probe", description=__doc__)
     parser.add_argument("--size", type=int, default=2048)
     parser.add_argument("--rounds", type=int, default=30)
     args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("small_gemm_probe: needs a CUDA GPU", file=sys.stderr)
+        return 1
     n = args.size
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
@@ -50,23 +47,17 @@ def main() -> int:
                                               pool_size=1)
     variants = {"gemm": lambda: torch.matmul(a, b)}
     variants |= {name: (lambda op=op: op(a, b)) for name, op in ops.items()}
-    graphs = {name: gpu_timing.capture_graph(fn) for name, fn in variants.items()}
+    graphs = {name: capture_graph(fn) for name, fn in variants.items()}
     ref = torch.matmul(a.float(), b.float())
     for name, (graph, out) in graphs.items():
         graph.replay()
         err = ((out.float() - ref).norm() / ref.norm()).item()
         assert err < 2e-2, (name, err)
     reps = 50
-    blocks = {name: gpu_timing.Block(graph.replay, reps) for name, (graph, _) in graphs.items()}
-    gpu_timing.warm_up(lambda: [g.replay() for g, _ in graphs.values()], 1.5, batch=5)
+    blocks = {name: Block(graph.replay, reps) for name, (graph, _) in graphs.items()}
+    warm_up(lambda: [g.replay() for g, _ in graphs.values()], 1.5, batch=5)
     names = list(blocks)
-    times: dict[str, list[float]] = {v: [] for v in names}
-    for r in range(args.rounds):
-        for v in rotated(names, r):
-            blocks[v].run()
-        torch.cuda.synchronize()
-        for v in names:
-            times[v].append(blocks[v].ms())
+    times = run_rounds(blocks, args.rounds)
     print(f"{n}^3 bf16, CUDA-graph replay, {args.rounds} interleaved rounds of {reps}; "
           f"{sms} SMs")
     print(f"{'variant':<18} {'us':>8} {'/ GEMM':>7} {'IQR':>13}")
