@@ -281,6 +281,14 @@ class Interpreter(distributed.CommunicationEvaluator):
         slot = self.values[n.stage][n.slot.slot(self.indices)]
         self.values[n.out] = slot.view(-1)[: like.numel()].view(like.shape)
 
+    def RingSlot(self, n: hir.RingSlot) -> None:
+        # The evaluator's calls are not pipelined: a fresh block stands for the ring's bytes.
+        like = self.values[n.like]
+        self.values[n.out.name] = torch.empty_like(like, device=self.device)
+
+    def ReleaseRingSlot(self, n: hir.ReleaseRingSlot) -> None:
+        self.streams.record()
+
     def Copy(self, n: hir.Copy) -> None:
         self.values[n.out].copy_(self.values[n.src], non_blocking=True)
 

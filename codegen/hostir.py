@@ -72,8 +72,31 @@ class CopyStream:
         return self.pool
 
 
-# A worker stream, the copy stream, or the named value of GetCurrentStream.
-StreamRef = Stream | CopyStream | str
+# The lease position of the ring stream: after the workers, the copy stream and the second
+# set of workers (2 * the most workers a pool has: lowering.MAX_POOL_SIZE, kMaxWorkers).
+RING_POSITION = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class RingStream:
+    """The stream that queues the copies into the thread's staging ring
+    (``lower(..., staging="ring")``, see ``stage_in_ring``). One per thread and device,
+    shared by every program that stages in the ring, and never forked from the caller's
+    stream: its copies queue behind the previous call's, and run under that call's last
+    GEMMs."""
+
+    def __str__(self) -> str:
+        return "RingStream"
+
+    def position_str(self) -> str:
+        return str(RING_POSITION)
+
+    def position(self, env: Mapping[str, int]) -> int:
+        return RING_POSITION
+
+
+# A worker stream, the copy stream, the ring stream, or the named value of GetCurrentStream.
+StreamRef = Stream | CopyStream | RingStream | str
 
 
 @dataclasses.dataclass(frozen=True)
@@ -395,6 +418,55 @@ class StagingSlot(Node):
 
 
 @dataclasses.dataclass(eq=False)
+class RingSlot(Node):
+    """``out`` = GPU memory of the thread's staging ring, shaped (dense) like ``like``,
+    taken on the current stream (the ring stream), which first waits for the event that
+    the last reader of those bytes recorded (``ReleaseRingSlot``), in this call or an
+    earlier one of any program that stages in the ring. The ring grows to hold at least
+    ``slots`` such slices (the loop's streams, and one more that the next copy fills
+    while they compute); it holds nothing from one call to the next but those events.
+    (A loop that copies two slices an iteration then runs its copies about two
+    iterations ahead of its GEMMs, enough where the copies are the slower part.)
+
+    ``out.shape`` is the loop's slice shape (a ragged last slice takes its first
+    elements, as a ``StagingSlot`` does)."""
+
+    out: TensorInfo
+    like: str
+    slots: int
+    tensor_fields: ClassVar[tuple[str, ...]] = ("like",)
+
+    def uses(self) -> list[str]:
+        return [self.like]
+
+    def defines(self) -> list[str]:
+        return [self.out.name]
+
+    def renamed(self, mapping: Mapping[str, str]) -> Node:
+        return dataclasses.replace(
+            self, out=dataclasses.replace(self.out, name=mapping.get(self.out.name, self.out.name)),
+            like=mapping.get(self.like, self.like))
+
+    def __str__(self) -> str:
+        return f"{self.out.name} = RingSlot(like={self.like}, slots={self.slots})"
+
+
+@dataclasses.dataclass(eq=False)
+class ReleaseRingSlot(Node):
+    """The bytes of ring slot ``slot`` are free for the next ``RingSlot`` once the current
+    stream has run what is queued on it so far (its last reader): an event, recorded."""
+
+    slot: str
+    tensor_fields: ClassVar[tuple[str, ...]] = ("slot",)
+
+    def uses(self) -> list[str]:
+        return [self.slot]
+
+    def __str__(self) -> str:
+        return f"ReleaseRingSlot({self.slot})"
+
+
+@dataclasses.dataclass(eq=False)
 class StreamSynchronize(Node):
     """The host waits until ``stream`` has finished everything queued on it (unlike
     ``Synchronize``, which only orders two streams). Ends a program with host outputs,
@@ -474,6 +546,11 @@ class Constraint:
     what: str  # e.g. "matmul T2: T0 axis 1 and T1 axis 0"
 
 
+# Where a program's streamed host slices land on the GPU: "slots", staging allocated per call
+# with one slot per worker stream (StagingSlot); "ring", the thread's staging ring, whose
+# copies run ahead of the caller's stream and across calls (RingSlot, stage_in_ring).
+STAGINGS = ("slots", "ring")
+
 # What a program's GEMMs call: "cublaslt", cached cuBLASLt plans on the worker streams (the
 # default), or "cublas", one cublasGemmEx per GEMM.
 GEMM_LIBRARIES = ("cublaslt", "cublas")
@@ -490,6 +567,7 @@ class HostProgram:
     gemm_sm_count: int = 0  # SMs each GEMM may use (cuBLASLt's SM_COUNT_TARGET); 0 = all
     gemm_library: str = "cublaslt"  # one of GEMM_LIBRARIES
     copy_stream: bool = False  # host-to-device copies on one stream (queue_copies_in)
+    staging: str = "slots"  # one of STAGINGS: where streamed host slices land on the GPU
     # The user's fusion this program was lowered from, for its backward (codegen.autograd);
     # None for a program with no backward (a backward itself). Not part of the program:
     # its nodes say everything it runs, so the digest and equality leave it out.
@@ -519,6 +597,8 @@ class HostProgram:
             options.append(f"gemm_library={self.gemm_library}")
         if self.copy_stream:
             options.append("copy_stream")
+        if self.staging != "slots":
+            options.append(f"staging={self.staging}")
         shown = f" [{', '.join(options)}]" if options else ""
         return f"HostProgram {self.name}({args}) -> ({', '.join(self.outputs)}){shown}:"
 
@@ -570,6 +650,8 @@ def verify(program: HostProgram) -> HostProgram:
                 check(n.body, local, True)
             if isinstance(n, Deallocate):
                 local.discard(n.tensor)
+            if isinstance(n, ReleaseRingSlot):  # its bytes may hold the next slice
+                local.discard(n.slot)
         return local
 
     defined = check(program.body, {t.name for t in program.inputs}, False)
@@ -746,7 +828,9 @@ def insert_fork_join(program: HostProgram) -> HostProgram:
     worker (join), so the caller can consume the outputs on its own stream. A loop on
     the caller's stream (``on_caller_stream``) needs neither. The copy stream
     (``queue_copies_in``) is forked with the first loop that queues copies on it and
-    joined with the last (``hoist_staging``), so it runs ahead across loops.
+    joined with the last (``hoist_staging``), so it runs ahead across loops. The ring
+    stream (``stage_in_ring``) is joined the same way but never forked: its copies read
+    host memory only, into ring bytes whose last readers it waits for by event.
     """
     pool = program.pool_size
     used = False
@@ -773,10 +857,11 @@ def insert_fork_join(program: HostProgram) -> HostProgram:
         if after is not None and _runs_ahead(after):
             forks = fork(after) + forks  # before this loop: its copies run under this one
         join: list[Node] = [ForLoop("j", Const(0), n_streams, [Synchronize(workers(loop))])]
-        if copy_loops and loop is copy_loops[0]:
+        if copy_loops and loop is copy_loops[0] and program.staging != "ring":
             forks += [SetCurrentStream(CopyStream(pool)), Synchronize(MAIN_STREAM)]
         if copy_loops and loop is copy_loops[-1]:
-            join.append(Synchronize(CopyStream(pool)))
+            join.append(Synchronize(RingStream() if program.staging == "ring"
+                                    else CopyStream(pool)))
         return [*forks, loop, SetCurrentStream(MAIN_STREAM), *join]
 
     out = _map_stream_loops(program, fork_join)
@@ -789,7 +874,7 @@ def view_roots(program: HostProgram) -> dict[str, str]:
     """Each view (a slice, a staging slot, an unflattened block) -> the tensor it views."""
     root: dict[str, str] = {}
     for n in program.nodes():
-        if isinstance(n, Allocate) or not n.defines() or not n.uses():
+        if isinstance(n, (Allocate, RingSlot)) or not n.defines() or not n.uses():
             continue
         viewed = n.uses()[0]
         for d in n.defines():
@@ -810,7 +895,7 @@ def _live_values(program: HostProgram) -> set[str]:
             if isinstance(n, (Compute, Copy)):
                 if any(root.get(w, w) in live for w in n.writes()):
                     live.update(v for r in n.uses() for v in (r, root.get(r, r)))
-            elif not isinstance(n, (ShardByStream, StagingSlot, Allocate)):
+            elif not isinstance(n, (ShardByStream, StagingSlot, RingSlot, Allocate)):
                 live.update(v for u in n.uses() for v in (u, root.get(u, u)))
         if len(live) == before:
             return live
@@ -856,7 +941,7 @@ def _remove_dead_code_once(program: HostProgram) -> HostProgram:
         by what its own body reads."""
         kept: list[Node] = []
         for n in nodes:
-            views = (ShardByStream, StagingSlot, Allocate)
+            views = (ShardByStream, StagingSlot, RingSlot, Allocate)
             if dead_write(n):
                 continue
             if isinstance(n, views) and not set(n.defines()) & scope:
@@ -967,6 +1052,7 @@ def value_infos(program: HostProgram) -> dict[str, TensorInfo]:
     """Each tensor value -> the tensor it is or views (``view_roots``), as declared: so a
     slice has its tensor's dtype and device, a staging slot its stage's (the GPU)."""
     infos = {t.name: t for t in program.inputs} | program.allocations()
+    infos |= {n.out.name: n.out for n in program.nodes() if isinstance(n, RingSlot)}
     return infos | {v: infos[r] for v, r in view_roots(program).items() if r in infos}
 
 
@@ -1281,7 +1367,8 @@ def queue_copies_in(program: HostProgram) -> HostProgram:
 def _copy_stream_loops(program: HostProgram) -> list[int]:
     """Positions in the program's body of the stream loops that use the copy stream."""
     return [k for k, n in enumerate(program.body) if isinstance(n, ForLoop) and any(
-        isinstance(c, SetCurrentStream) and isinstance(c.stream, CopyStream) for c in n.body)]
+        isinstance(c, SetCurrentStream) and isinstance(c.stream, (CopyStream, RingStream))
+        for c in n.body)]
 
 
 def hoist_staging(program: HostProgram) -> HostProgram:
@@ -1329,6 +1416,76 @@ def hoist_staging(program: HostProgram) -> HostProgram:
     return program.replace(body=body)
 
 
+def stage_in_ring(program: HostProgram) -> HostProgram:
+    """With ``staging="ring"``, the copy stream's slices land in the thread's staging ring
+    instead of per-call staging, and its copies are not ordered after the caller's stream:
+    the copies of this call queue right behind the previous call's (of any program that
+    stages in the ring) and run under its last GEMMs, where a fork would hold them until
+    the previous call had finished.
+
+    Before:  T1_stage = Allocate(...); T1_stage_free = CreateEvents(4)
+             for i ... [Stream]: SetCurrentStream(CopyStream); WaitEvent(T1_stage_free[i % 4])
+               T1_s = StagingSlot(T1_stage, slot=i % 4, like=T1_i); Copy(T1_i, out=T1_s)
+               SetCurrentStream(Stream(i % 4)); Synchronize(CopyStream)
+               Matmul(T0, T1_s, ...); RecordEvent(T1_stage_free[i % 4])
+    After:   for i ... [Stream]: SetCurrentStream(RingStream)
+               T1_s = RingSlot(like=T1_i, slots=5); Copy(T1_i, out=T1_s)
+               SetCurrentStream(Stream(i % 4)); Synchronize(RingStream)
+               Matmul(T0, T1_s, ...); ReleaseRingSlot(T1_s)
+    The slot's event moves into the ring (recorded by ``ReleaseRingSlot`` after the last
+    reader, waited for by the ``RingSlot`` that reuses the bytes, in any later call).
+    Safe without the fork because a host input is complete when the op is called: the
+    caller's stream never writes host memory (a host output is a program's own
+    allocation, and stays on the worker streams). ``insert_fork_join`` then joins the ring
+    stream but does not fork it.
+    """
+    if program.staging != "ring":
+        return program
+    infos = program.allocations()
+    loops = set(_copy_stream_loops(program))  # a loop on the caller's stream keeps its slots
+    stages = {n.stage for k in loops for n in program.body[k].children()
+              if isinstance(n, StagingSlot)}
+    events = {f"{s}_free" for s in stages}
+
+    def staged(n: Node) -> bool:
+        return (isinstance(n, Allocate) and n.out.name in stages) or \
+            (isinstance(n, Deallocate) and n.tensor in stages) or \
+            (isinstance(n, CreateEvents) and n.name in events) or \
+            (isinstance(n, (WaitEvent, RecordEvent)) and n.event.name in events)
+
+    def ring(stream: StreamRef) -> StreamRef:
+        return RingStream() if isinstance(stream, CopyStream) else stream
+
+    def body_of(loop: ForLoop) -> list[Node]:
+        count = stream_count(loop, program.pool_size)
+        ring_slots = (count.value if isinstance(count, Const) else program.pool_size) + 1
+        body: list[Node] = []
+        slots: list[str] = []
+        for n in loop.body:
+            if staged(n):
+                continue
+            if isinstance(n, StagingSlot):
+                stage = infos[n.stage]
+                out = TensorInfo(n.out, stage.dtype, stage.shape[1:], stage.device)
+                body.append(RingSlot(out, n.like, ring_slots))
+                slots.append(n.out)
+            elif isinstance(n, (SetCurrentStream, Synchronize)):
+                body.append(dataclasses.replace(n, stream=ring(n.stream)))
+            else:
+                body.append(n)
+        for slot in slots:
+            readers = [k for k, n in enumerate(body) if slot in n.uses()
+                       and not isinstance(n, (RingSlot, Copy))]
+            if not readers:
+                raise InternalError(f"{slot}: nothing reads the ring slot\n{program}")
+            body.insert(readers[-1] + 1, ReleaseRingSlot(slot))
+        return body
+
+    body = [dataclasses.replace(n, body=body_of(n)) if k in loops else n
+            for k, n in enumerate(program.body) if not staged(n)]
+    return program.replace(body=body)
+
+
 HOSTIR_PASSES: tuple[HostPass, ...] = (
     remove_dead_code,
     fuse_pointwise,
@@ -1336,6 +1493,7 @@ HOSTIR_PASSES: tuple[HostPass, ...] = (
     assign_streams,
     queue_copies_in,
     hoist_staging,
+    stage_in_ring,
     run_copies_ahead,
     insert_fork_join,
     synchronize_host_outputs,

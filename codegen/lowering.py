@@ -34,7 +34,8 @@ def _dump(title: str, text: str) -> None:
 
 
 def lower(fusion: Fusion, *, pool_size: int = 4, gemm_sm_count: int = 0,
-          gemm_library: str = "cublaslt", copy_stream: bool = False) -> hir.HostProgram:
+          gemm_library: str = "cublaslt", copy_stream: bool = False,
+          staging: str = "slots") -> hir.HostProgram:
     """Runs the fusion passes on a copy of ``fusion``, builds the host program and runs the
     host-IR passes. ``pool_size`` (1 to ``MAX_POOL_SIZE``) bounds the number of worker
     streams; ``gemm_sm_count`` (0 = all) caps the SMs each GEMM may use, leaving the rest
@@ -42,7 +43,11 @@ def lower(fusion: Fusion, *, pool_size: int = 4, gemm_sm_count: int = 0,
     plans ("cublaslt", the default) or one cublasGemmEx per GEMM ("cublas");
     ``copy_stream`` queues the host-to-device copies of host inputs read in slices on one
     stream of their own, in slice order, instead of on the slices' worker streams
-    (``hostir.queue_copies_in``)."""
+    (``hostir.queue_copies_in``); ``staging="ring"`` (which implies ``copy_stream``) lands
+    those copies in the thread's staging ring instead of per-call staging, so that they
+    run ahead of the caller's stream, under the previous call's GEMMs
+    (``hostir.stage_in_ring``): for ops called one after another on host-resident weights,
+    eagerly (a program staged in the ring refuses CUDA graph capture)."""
     if not isinstance(fusion, Fusion):
         raise ScheduleError(f"lower expects a cg.Fusion, got {type(fusion).__name__}")
     if isinstance(pool_size, bool) or not isinstance(pool_size, int) or pool_size < 1:
@@ -61,6 +66,10 @@ def lower(fusion: Fusion, *, pool_size: int = 4, gemm_sm_count: int = 0,
                             f"(cublasGemmEx has no SM budget), got gemm_library={gemm_library!r}")
     if not isinstance(copy_stream, bool):
         raise ScheduleError(f"lower: copy_stream must be True or False, got {copy_stream!r}")
+    if staging not in hir.STAGINGS:
+        choices = ", ".join(map(repr, hir.STAGINGS))
+        raise ScheduleError(f"lower: staging must be one of {choices}, got {staging!r}")
+    copy_stream = copy_stream or staging == "ring"
     if not fusion.outputs:
         raise ScheduleError(f"Fusion {fusion.name} has no outputs; call cg.output(t)")
     dump = _dump_stages()
@@ -78,7 +87,7 @@ def lower(fusion: Fusion, *, pool_size: int = 4, gemm_sm_count: int = 0,
         plan = passes.plan_allocations(work, segments)
         program = hir.verify(passes.build_host_program(work, segments, plan, pool_size))
     program = program.replace(gemm_sm_count=gemm_sm_count, gemm_library=gemm_library,
-                              copy_stream=copy_stream,
+                              copy_stream=copy_stream, staging=staging,
                               source=None if distributed.is_distributed(work) else fusion.clone())
     if "hostir" in dump:
         _dump("hostir after build_host_program", str(program))

@@ -18,9 +18,20 @@ attention math, and Linears the filter leaves out) moves to the GPU. The modules
 models work unchanged, ``generate()`` included. One program serves every Linear of a dtype
 (its extents are symbolic), built once per cache.
 
-What it does not do (yet): prefetch across ops (the first copies of the next Linear start
-when that Linear is called, not under the Linear before it: today's ``three ops`` rows in
-``benchmarks/results/mlp_offload.json``), and backward (the ops say they have none).
+Prefetch across Linears: the programs stage the slices in the thread's staging ring
+(``lower(..., staging="ring")``, codegen/include/codegen/ring.h), whose copy stream is
+not forked from the caller's stream. The host runs ahead of the GPU (each Linear's call
+only queues work), so when Linear j + 1 is called, its copies queue right behind Linear
+j's, and run while Linear j's last GEMMs compute, into ring bytes that Linear j's first
+GEMMs have finished reading: the copy engine never waits for an op boundary, and the
+GPU holds the ring (``pool_size + 1`` slices of the largest weight), not a layer. The
+last Linear of a forward prefetches the first of the next when the next forward is
+queued before the GPU has finished this one (forwards back to back); a forward that
+waits for the host between forwards (``generate()`` reads each token) exposes the first
+slice of its first Linear. A forward captured in a CUDA graph uses per-call staging.
+
+Backward: the compiled programs have one (``codegen.autograd``), so an offloaded model
+trains; a host weight gets its gradient in host memory.
 """
 
 from __future__ import annotations
@@ -113,13 +124,14 @@ class _State:
     counters of the forward in flight."""
 
     def __init__(self, arena: Arena, device: torch.device, slices: int, pool_size: int,
-                 verbose: bool) -> None:
+                 prefetch: bool, verbose: bool) -> None:
         self.arena = arena
         self.device = device
         self.slices = slices
         self.pool_size = pool_size
+        self.prefetch = prefetch
         self.verbose = verbose
-        self.ops: dict[tuple[torch.dtype, bool], CompiledOp] = {}
+        self.ops: dict[tuple[torch.dtype, bool, str], CompiledOp] = {}
         self.programs: dict[tuple[torch.dtype, bool], Any] = {}
         self.copy_gbps = 0.0
         self.calls = 0
@@ -150,9 +162,14 @@ class _State:
             if key not in self.programs:
                 self.programs[key] = lower(self.fusion(*key), pool_size=self.pool_size)
             return evaluate(self.programs[key], args)[0]
-        if key not in self.ops:
-            self.ops[key] = compile(self.fusion(*key), pool_size=self.pool_size)
-        return self.ops[key](*args)
+        # The ring's copies run ahead of the caller's stream, across calls: eagerly only.
+        # A graph captures the program with per-call staging slots instead.
+        ring = self.prefetch and not torch.cuda.is_current_stream_capturing()
+        staging = "ring" if ring else "slots"
+        if (*key, staging) not in self.ops:
+            self.ops[(*key, staging)] = compile(self.fusion(*key), pool_size=self.pool_size,
+                                                staging=staging)
+        return self.ops[(*key, staging)](*args)
 
     # -- the report around one forward of the root module
     def begin(self) -> None:
@@ -240,7 +257,7 @@ def _measure_copy_gbps(arena: Arena, device: torch.device) -> float:
 
 
 def offload(model: nn.Module, slices: int = 8, *, filter: Filter | None = None,  # noqa: A002
-            device: str | torch.device = "cuda", pool_size: int = 4,
+            device: str | torch.device = "cuda", pool_size: int = 4, prefetch: bool = True,
             verbose: bool = False) -> nn.Module:
     """Offloads ``model``'s Linear weights to one pinned host arena and moves the rest to
     ``device``, in place; returns ``model``.
@@ -249,8 +266,12 @@ def offload(model: nn.Module, slices: int = 8, *, filter: Filter | None = None, 
     streams (and staging slots); ``filter(name, linear)`` says which Linears to offload
     (default: every one whose weight no other module shares, e.g. not a tied lm_head);
     ``device="cpu"`` runs every offloaded Linear through the evaluator on the CPU (the
-    reference semantics, for tests). ``verbose`` prints :func:`report`'s line after each
-    forward; :func:`report` returns it."""
+    reference semantics, for tests). ``prefetch`` (the default) stages the weights' slices
+    in the thread's staging ring, whose copies run ahead of the caller's stream: the
+    first slices of the next Linear are copied while this one computes (see the module
+    docstring); ``prefetch=False`` gives each call its own staging, forked from the
+    caller's stream. ``verbose`` prints :func:`report`'s line after each forward;
+    :func:`report` returns it."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"codegen.nn.offload expects an nn.Module, got {type(model).__name__}")
     if isinstance(slices, bool) or not isinstance(slices, int) or slices < 1:
@@ -283,7 +304,9 @@ def offload(model: nn.Module, slices: int = 8, *, filter: Filter | None = None, 
                 for _, m in chosen for t in (m.weight, m.bias) if t is not None)
     arena = Arena(torch.empty(total, dtype=torch.uint8), pinned=False)
     arena.pinned = _pin(arena.storage) if device.type == "cuda" else False
-    state = _State(arena, device, slices, pool_size, verbose)
+    if not isinstance(prefetch, bool):
+        raise TypeError(f"codegen.nn.offload: prefetch must be True or False, got {prefetch!r}")
+    state = _State(arena, device, slices, pool_size, prefetch, verbose)
     offloaded: set[int] = set()
     offset = 0
     for _, m in chosen:  # each original is dropped as soon as its copy is in the arena

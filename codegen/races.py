@@ -94,7 +94,7 @@ class Race:
 
 KINDS = ("read before write", "write after read", "write after write", "uninitialized read",
          "use before allocation", "free while in use", "output not ready",
-         "still read at the return", "stream not joined")
+         "still read at the return", "stream not joined", "use after release")
 
 
 @dataclasses.dataclass
@@ -121,6 +121,8 @@ def _stream_str(key: Key, copier: int | None = None) -> str:
         return "the host"
     if isinstance(key, tuple):
         return f"the collective stream of {key[1]}"
+    if key == hir.RING_POSITION:
+        return "RingStream"
     return "CopyStream" if key == copier else f"Stream({key})"
 
 
@@ -135,6 +137,7 @@ class _Checker(Interpreter):
         self.clocks: dict[Key, Clock] = {CALLER: {CALLER: 1}, HOST: {HOST: 1}}
         self.found: dict[tuple[str, str, str, str], Race] = {}
         self.communications = 0
+        self.released: set[str] = set()  # ring slots released, until taken again
         self.copier = program.pool_size if program.copy_stream else None  # CopyStream
 
     def stream_str(self, key: Key) -> str:
@@ -192,6 +195,10 @@ class _Checker(Interpreter):
         """Records ``node`` reading ``reads`` and writing ``writes`` on stream ``key``
         (default: the current one), checking each element against its history."""
         key = self.streams.current if key is None else key
+        for name in [*reads, *writes]:
+            if name in self.released:  # its bytes may hold the next slice already
+                self.report("use after release", self.ids(name)[0], None,
+                            f"{node} after {name}'s ReleaseRingSlot")
         self.join(key, HOST)  # queued now, so after whatever the host has waited for
         clock = self.clock(key)
         a = Access(key, clock[key], self.where(node, key))
@@ -218,11 +225,11 @@ class _Checker(Interpreter):
             state.write, state.reads = a, []
         clock[key] += 1
 
-    def check_free(self, index: int, what: str) -> None:
+    def check_free(self, index: int, what: str, key: Key | None = None) -> None:
         """Buffer ``index`` goes back to the caching allocator: each access must be
-        ordered before the stream it was allocated on, as that stream stands now."""
+        ordered before the stream it was allocated on (or ``key``), as it stands now."""
         buf = self.buffers[index]
-        clock = self.clock(buf.stream)
+        clock = self.clock(buf.stream if key is None else key)
         first = index << _ID_BITS
         for e in range(first, first + buf.size):
             state = self.elements[e]
@@ -243,6 +250,23 @@ class _Checker(Interpreter):
     def Deallocate(self, n: hir.Deallocate) -> None:
         self.check_free(self.allocated.pop(n.tensor), str(n))
         super().Deallocate(n)
+
+    def RingSlot(self, n: hir.RingSlot) -> None:
+        """Fresh bytes born on the ring stream: the ring's reuse of bytes across slices and
+        calls is the runtime's, by the events that ``ReleaseRingSlot`` records, so what
+        is checked here is that the release comes after every use of the slot."""
+        like = self.values[n.like]
+        key = self.streams.current
+        born = Access(key, self.clock(key)[key], self.where(n, key))
+        self.clock(key)[key] += 1
+        self.released.discard(n.out.name)
+        self.buffer(n.out.name, like.shape, "cuda", key, born=born)
+
+    def ReleaseRingSlot(self, n: hir.ReleaseRingSlot) -> None:
+        key = self.streams.current
+        self.join(key, HOST)
+        self.check_free(self.allocated.pop(n.slot), str(n), key)
+        self.released.add(n.slot)
 
     def Synchronize(self, n: hir.Synchronize) -> None:
         self.join(self.streams.current, self.stream_key(n.stream))

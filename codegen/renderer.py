@@ -291,6 +291,8 @@ def _stream(ref: hir.StreamRef) -> str:
         return ref
     if isinstance(ref, hir.CopyStream):
         return f"streams.copy_stream({ref.position_str()})"
+    if isinstance(ref, hir.RingStream):
+        return "streams.ring_stream()"
     return f"streams.worker({ref.position_str()})"
 
 
@@ -373,6 +375,13 @@ class _Statements:
     def StagingSlot(self, n: hir.StagingSlot) -> dict[str, Any]:
         return {"out": self.names(n.out), "stage": self.names(n.stage),
                 "slot": n.slot.slot_str(), "like": self.names(n.like)}
+
+    def RingSlot(self, n: hir.RingSlot) -> dict[str, Any]:
+        self.rank[n.out.name] = self.rank[n.like]
+        return {"out": self.names(n.out.name), "like": self.names(n.like), "slots": n.slots}
+
+    def ReleaseRingSlot(self, n: hir.ReleaseRingSlot) -> dict[str, Any]:
+        return {"slot": self.names(n.slot)}
 
     def Copy(self, n: hir.Copy) -> dict[str, Any]:
         route = (self.devices[n.src], self.devices[n.out])
@@ -543,6 +552,7 @@ def prepare(program: hir.HostProgram) -> dict[str, Any]:
     return {
         "host": host,
         "host_outputs": host_outputs,
+        "ring": any(isinstance(n, hir.RingSlot) for n in program.nodes()),
         "program": program.name,  # the C++ function and the prefix of its messages
         "namespace": NAMESPACE,
         "op_name": op_name(program),

@@ -57,9 +57,10 @@ def draw_case(rng: random.Random, placement: random.Random | None = None):
 
 
 def check_case(rng: random.Random, placement: random.Random | None = None,
-               copy_stream: bool = False):
+               copy_stream: bool = False, staging: str = "slots"):
     kind, fusion, shapes = draw_case(rng, placement)
-    program = cg.lower(fusion, pool_size=rng.choice([1, 2, 4]), copy_stream=copy_stream)
+    program = cg.lower(fusion, pool_size=rng.choice([1, 2, 4]), copy_stream=copy_stream,
+                       staging=staging)
     xs = [ints(*s) for s in shapes]
     races.check(program, xs)
     (out,) = cg.evaluate(program, xs)
@@ -77,10 +78,29 @@ def test_random_schedule_matches_torch_and_is_ordered(seed):
     check_case(random.Random(seed))
 
 
-@pytest.mark.parametrize("copy_stream", [False, True])
+@pytest.mark.parametrize("staging", ["slots", "copy_stream", "ring"])
 @pytest.mark.parametrize("seed", range(60))
-def test_random_placement_matches_torch_and_is_ordered(seed, copy_stream):
-    check_case(random.Random(seed), random.Random(1000 + seed), copy_stream)
+def test_random_placement_matches_torch_and_is_ordered(seed, staging):
+    check_case(random.Random(seed), random.Random(1000 + seed), staging == "copy_stream",
+               "ring" if staging == "ring" else "slots")
+
+
+def test_random_placements_exercise_the_ring():
+    """The ring cases are not vacuous: many programs take ring slots, and every one is
+    released after its last reader (``races`` checks that) on the slice's worker."""
+    ringed = 0
+    for seed in range(60):
+        program = check_case(random.Random(seed), random.Random(1000 + seed), staging="ring")
+        nodes = list(program.nodes())
+        taken = [n for n in nodes if isinstance(n, hir.RingSlot)]
+        released = [n for n in nodes if isinstance(n, hir.ReleaseRingSlot)]
+        assert len(taken) == len(released), str(program)
+        ringed += bool(taken)
+        # Never forked: nothing orders the ring stream after the caller's stream.
+        for a, b in zip(nodes, nodes[1:]):
+            assert not (isinstance(a, hir.SetCurrentStream) and isinstance(a.stream, hir.RingStream)
+                        and isinstance(b, hir.Synchronize) and b.stream == hir.MAIN_STREAM)
+    assert ringed >= 20, ringed
 
 
 def test_random_placements_exercise_the_copy_stream():

@@ -9,6 +9,7 @@
 //   collective.h all-gather and reduce-scatter of a slice through torch.distributed
 //   host.h       host-resident inputs and outputs: checks, pinned outputs, keep-alive
 //   copy.h       host <-> GPU copies of strided slices, staging slots
+//   ring.h       the thread's staging ring: copies that run ahead across calls
 //   pointwise.h  elementwise kernels, compiled by NVRTC at run time
 //   nvtx.h       NVTX ranges named for host-IR lines
 #pragma once
@@ -24,5 +25,6 @@
 #include "codegen/math_mode.h"
 #include "codegen/nvtx.h"
 #include "codegen/pointwise.h"
+#include "codegen/ring.h"
 #include "codegen/stream.h"
 #include "codegen/tensor.h"

@@ -8,10 +8,11 @@
 // at once, and nothing is created per call. (PyTorch's own pool hands out its 32
 // streams round-robin, so a ninth thread would share the first thread's streams.)
 //
-// What a lease holds at most: 2 * kMaxWorkers streams (positions 0 .. pool - 1 are the
+// What a lease holds at most: 2 * kMaxWorkers + 1 streams (positions 0 .. pool - 1 are the
 // workers of a pool of up to kMaxWorkers, lower()'s pool_size limit; position `pool` is
 // a program's copy stream, or positions pool .. 2 * pool - 1 the second set of workers
-// of a loop whose copies run under the loop before it), each created on first use with one event and,
+// of a loop whose copies run under the loop before it; position kRingStream the staging
+// ring's, ring.h), each created on first use with one event and,
 // from its first cuBLASLt GEMM, one workspace (gemm_plan.h: 32 MiB by default); plus
 // one event and up to kCallerWorkspaces workspaces for the caller's streams. None of it
 // is freed: a lease is given back to the pool when its thread exits and reused whole by
@@ -69,8 +70,11 @@ struct Stream {
 
 // The most worker streams of a pool (the Python side's lowering.MAX_POOL_SIZE); the copy
 // stream is position `pool` and a second set of workers positions pool .. 2 * pool - 1,
-// so a lease has at most 2 * kMaxWorkers streams.
+// so a lease has at most 2 * kMaxWorkers streams, and the ring stream.
 inline constexpr int64_t kMaxWorkers = 32;
+// The lease position of the stream that queues the copies into the staging ring (ring.h;
+// the host IR's RingStream, hostir.RING_POSITION): after every other stream of the lease.
+inline constexpr int64_t kRingStream = 2 * kMaxWorkers;
 
 // The streams one thread uses on one device.
 struct Lease {
@@ -109,12 +113,13 @@ struct Lease {
     return caller_workspaces.back().second.get();
   }
 
-  // Stream `k` of the lease, created (with its event) on first use: 0 <= k < 2 kMaxWorkers.
+  // Stream `k` of the lease, created (with its event) on first use: 0 <= k < 2 kMaxWorkers,
+  // or kRingStream.
   Stream& worker(int64_t k) {
-    CG_CHECK(k >= 0 && k < 2 * kMaxWorkers, "codegen: worker stream ", k,
+    CG_CHECK(k >= 0 && k <= kRingStream, "codegen: worker stream ", k,
              " is out of range: a lease holds streams 0 to ", 2 * kMaxWorkers - 1, " (",
              kMaxWorkers, " workers and a second set, or the copy stream; lower() refuses "
-             "pool_size > ", kMaxWorkers, ")");
+             "pool_size > ", kMaxWorkers, ") and the ring stream, ", kRingStream);
     while (static_cast<int64_t>(workers.size()) <= k) {
       Stream s;
       s.worker = static_cast<int64_t>(workers.size());
@@ -341,6 +346,9 @@ class Streams {
   // uses it as a worker; that is safe: a thread's calls run one after another, and each
   // call's fork orders the streams it uses after the caller's stream.
   Stream copy_stream(int64_t pool) { return lease_->worker(pool); }
+  // The stream that queues the copies into the thread's staging ring (ring.h): one per
+  // lease, used by nothing else, so its queue runs from one call into the next.
+  Stream ring_stream() { return lease_->worker(kRingStream); }
 
   void set_current(const Stream& s) {
     if (s.handle == current_.handle) return;

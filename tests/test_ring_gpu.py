@@ -1,0 +1,107 @@
+"""The staging ring on the GPU: ring programs called back to back (the ring's bytes reused
+across calls and programs, grown when a larger slice comes) against torch, its memory,
+the refusal under graph capture, and the ops of an offloaded model."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import codegen as cg
+from codegen import examples
+
+pytestmark = pytest.mark.gpu
+
+
+def host_linear(dtype, slices, name, bias=False):
+    with cg.Fusion(name) as fusion:
+        x = cg.input(["m", "k"], dtype, name="x")
+        w = cg.input(["n", "k"], dtype, name="w", device="cpu")
+        b = cg.input(["n"], dtype, name="bias", device="cpu") if bias else None
+        out = cg.linear(x, w, b)
+        cg.output(out)
+    out.outer_split(1, slices)
+    out.axis(1).parallelize(cg.ParallelType.Stream)
+    return fusion
+
+
+def ints(*shape, device="cuda", pin=False):
+    t = torch.randint(-3, 4, shape, dtype=torch.float32)
+    return t.pin_memory() if pin else t.to(device)
+
+
+def test_calls_back_to_back_reuse_the_ring_exactly(cache_dir):
+    """Twelve Linears of four widths (the ring grows twice), then the MLP, queued without a
+    host wait between them: every result exact, though each call's copies run ahead of
+    the caller's stream into bytes the call before has just finished reading."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    linear = cg.compile(host_linear(torch.float32, 4, "ring_gpu_linear"), staging="ring")
+    biased = cg.compile(host_linear(torch.float32, 3, "ring_gpu_bias", bias=True),
+                        staging="ring")
+    mlp = cg.compile(examples.llama_mlp(torch.float32, 4, weights="cpu", name="ring_gpu_mlp"),
+                     staging="ring")
+    x = ints(64, 256)
+    widths = [128, 512, 2048, 4096] * 3
+    weights = [ints(n, 256, pin=True) for n in widths]
+    biases = [ints(n, pin=True) for n in widths]
+    outs = []
+    for k, (w, b) in enumerate(zip(weights, biases)):
+        outs.append(biased(x, w, b) if k % 3 == 2 else linear(x, w))
+    wg, wu, wd = ints(512, 256, pin=True), ints(512, 256, pin=True), ints(256, 512, pin=True)
+    y = mlp(x, wg, wu, wd)
+    torch.cuda.synchronize()
+    for k, (out, w, b) in enumerate(zip(outs, weights, biases)):
+        expect = F.linear(x, w.cuda(), b.cuda() if k % 3 == 2 else None)
+        assert torch.equal(out, expect), k
+    expect = F.linear(F.silu(F.linear(x, wg.cuda())) * F.linear(x, wu.cuda()), wd.cuda())
+    assert torch.allclose(y, expect, rtol=1e-5, atol=1e-2)
+
+
+def test_the_ring_copies_while_the_caller_stream_is_busy(cache_dir):
+    """The ring stream is not ordered after the caller's stream: with the caller's stream
+    held by a long kernel, a ring op's result is still right (its GEMMs wait for the
+    caller), and a slots op called the same way is too."""
+    ring = cg.compile(host_linear(torch.float32, 4, "ring_gpu_busy"), staging="ring")
+    slots = cg.compile(host_linear(torch.float32, 4, "ring_gpu_busy"))
+    x = ints(32, 128)
+    w = ints(1024, 128, pin=True)
+    for op in (ring, slots):
+        y = torch.empty_like(x)
+        torch.cuda._sleep(50_000_000)  # the caller's stream is busy while the op queues
+        y.copy_(x * 2)  # written on the caller's stream after the sleep
+        out = op(y, w)
+        torch.cuda.synchronize()
+        assert torch.equal(out, F.linear(x * 2, w.cuda()))
+
+
+def test_ring_memory_is_bounded_by_its_slots(cache_dir):
+    """The ring holds pool_size + 1 slices of the largest weight seen: no more after many
+    calls."""
+    op = cg.compile(host_linear(torch.bfloat16, 8, "ring_gpu_memory"), staging="ring",
+                    pool_size=4)
+    x = torch.randn(16, 1024, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(16384, 1024, dtype=torch.bfloat16).pin_memory()  # 4 MiB slices
+    out_bytes = 16 * 16384 * 2
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    outs = [op(x, w) for _ in range(20)]
+    torch.cuda.synchronize()
+    slice_bytes = 16384 // 8 * 1024 * 2
+    grown = torch.cuda.memory_allocated() - before - 20 * out_bytes
+    assert 0 <= grown <= 5 * slice_bytes, grown / slice_bytes  # the ring, if it grew
+    peak = torch.cuda.max_memory_allocated() - before - 20 * out_bytes
+    assert peak <= 5 * slice_bytes + 2 * out_bytes, peak / slice_bytes  # nothing per call
+    assert torch.allclose(outs[-1].float(), F.linear(x, w.cuda()).float(), rtol=2e-2, atol=1)
+
+
+def test_a_ring_program_refuses_capture_with_a_clear_message(cache_dir):
+    op = cg.compile(host_linear(torch.float32, 2, "ring_gpu_capture"), staging="ring")
+    x, w = ints(8, 64), ints(64, 64, pin=True)
+    op(x, w)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(RuntimeError, match=r"staging ring .*eagerly only.*staging=\"slots\""):
+        with torch.cuda.graph(graph):
+            op(x, w)
+    torch.cuda.synchronize()
+    assert torch.equal(op(x, w), F.linear(x, w.cuda()))  # the ring still works after
