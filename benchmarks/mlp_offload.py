@@ -5,13 +5,17 @@
 ``codegen.examples.llama_mlp(weights="cpu")`` at h = 4096, i = 14336, bf16 (352 MB of
 weights), m = 512 and 4096 tokens, S = 2 / 4 / 8 / 16 slices, as one program with a copy
 stream (``copy_stream=True``: the copies of the down loop queue behind those of the
-gate/up loop and run under its GEMMs) and without one (each loop's copies on its
-workers, after the previous loop's join), beside:
+gate/up loop and run under its GEMMs), without one (each loop's copies on its
+workers, after the previous loop's join), and staged in the thread's staging ring
+(``staging="ring"``: the copies also run ahead across calls, so call j + 1's first
+slices copy under call j's last GEMMs), beside:
 
 - copy: the three weights copied alone from pinned memory, back to back on one stream
   (the copy floor: nothing that reads them can finish sooner);
-- three ops: today's alternative, one compiled op per Linear (each streams its own
-  weight in S slices), the SiLU-and-multiply in torch between them;
+- three ops: one compiled op per Linear (each streams its own weight in S slices), the
+  SiLU-and-multiply in torch between them, with per-call staging (each op's copies wait
+  for the op before it) and with the ring (``ring``: each op's copies run under the op
+  before it, as ``codegen.nn.offload`` runs a model's Linears);
 - prefetch: a hand-written Python prefetch: each weight copied whole into its own GPU
   buffer on a side stream while the previous GEMM runs (holds all three on the GPU).
 
@@ -40,7 +44,7 @@ from codegen import examples
 HIDDEN, INTER = 4096, 14336
 
 
-def host_linear(m_name: str, slices: int, name: str) -> cg.CompiledOp:
+def host_linear(m_name: str, slices: int, name: str, staging: str = "slots") -> cg.CompiledOp:
     """One Linear whose weight [n, k] is in host memory, streamed by row blocks."""
     with cg.Fusion(name) as fusion:
         x = cg.input([m_name, "k"], torch.bfloat16)
@@ -49,7 +53,7 @@ def host_linear(m_name: str, slices: int, name: str) -> cg.CompiledOp:
         cg.output(out)
     out.outer_split(1, slices)
     out.axis(1).parallelize(cg.ParallelType.Stream)
-    return cg.compile(fusion, copy_stream=True)
+    return cg.compile(fusion, copy_stream=True, staging=staging)
 
 
 class Prefetch:
@@ -98,20 +102,22 @@ def rows_for(tokens: int, slices: list[int], rounds: int) -> list[dict[str, Any]
     prefetch = Prefetch(weights)
     variants["prefetch"] = bind(prefetch, x)
     for s in slices:
-        for cs in (True, False):
+        for suffix, options in (("", {}), (" cs", {"copy_stream": True}),
+                                (" ring", {"staging": "ring"})):
             op = cg.compile(examples.llama_mlp(torch.bfloat16, s, "cpu",
-                                               name=f"mlp_offload_s{s}"), copy_stream=cs)
+                                               name=f"mlp_offload_s{s}"), **options)
             err = ((op(x, *weights).float() - ref).norm() / ref.norm()).item()
             if err > 2e-2:
-                raise SystemExit(f"llama_mlp S={s} copy_stream={cs}: relative error {err:.2e}")
-            variants[f"op S={s}{' cs' if cs else ''}"] = bind(op, x, *weights)
-        up = host_linear("m", s, f"mlp_offload_up_s{s}")
-        down = host_linear("m", s, f"mlp_offload_down_s{s}")
+                raise SystemExit(f"llama_mlp S={s} {options}: relative error {err:.2e}")
+            variants[f"op S={s}{suffix}"] = bind(op, x, *weights)
+        for staging in ("slots", "ring"):
+            up = host_linear("m", s, f"mlp_offload_up_s{s}", staging)
+            down = host_linear("m", s, f"mlp_offload_down_s{s}", staging)
 
-        def three(up: cg.CompiledOp = up, down: cg.CompiledOp = down) -> torch.Tensor:
-            return down(F.silu(up(x, weights[0])) * up(x, weights[1]), weights[2])
+            def three(up: cg.CompiledOp = up, down: cg.CompiledOp = down) -> torch.Tensor:
+                return down(F.silu(up(x, weights[0])) * up(x, weights[1]), weights[2])
 
-        variants[f"three ops S={s}"] = three
+            variants[f"three ops S={s}{' ring' if staging == 'ring' else ''}"] = three
     times = interleaved(variants, rounds)
     floor = statistics.median(times["copy"])
     rows = []
@@ -140,10 +146,10 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for tokens in (int(t) for t in args.tokens.split(",")):
         rows += rows_for(tokens, slices, args.rounds)
-    print(f"{'tokens':>7} {'variant':18}{'ms':>8}{'/ copy floor':>14}{'range':>16}")
+    print(f"{'tokens':>7} {'variant':20}{'ms':>8}{'/ copy floor':>14}{'range':>16}")
     for r in rows:
         lo, hi = r["ratio_range"]
-        print(f"{r['tokens']:7} {r['variant']:18}{r['op_ms']:8.3f}{r['ratio']:14.3f}"
+        print(f"{r['tokens']:7} {r['variant']:20}{r['op_ms']:8.3f}{r['ratio']:14.3f}"
               f"{lo:8.3f}-{hi:.3f}")
     args.out.mkdir(parents=True, exist_ok=True)
     result = {"date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name(),

@@ -41,6 +41,8 @@ PROGRAMS = {
     "stream_weights, copy stream, pool 2":
         lambda: cg.lower(ex.stream_weights(slices=8), pool_size=2, copy_stream=True),
     "offload_activations": lambda: cg.lower(ex.offload_activations()),
+    "stream_weights, staging ring": lambda: cg.lower(ex.stream_weights(slices=8),
+                                                     staging="ring"),
     "linear_bias, 8 SMs": lambda: cg.lower(ex.linear_bias(), gemm_sm_count=8),
     "two_matmuls_not_inlinable, cublas":
         lambda: cg.lower(ex.two_matmuls_not_inlinable(), gemm_library="cublas"),
@@ -60,7 +62,7 @@ def node_classes() -> set[type]:
 
 # The other classes a program holds: itself and the values in its fields and nodes'.
 VALUE_CLASSES = (hir.HostProgram, hir.TensorInfo, hir.Constraint, hir.Stream, hir.CopyStream,
-                 hir.Apply)
+                 hir.RingStream, hir.Apply)
 
 
 # ---------------------------------------------------------------------------- the defects

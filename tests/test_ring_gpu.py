@@ -53,7 +53,8 @@ def test_calls_back_to_back_reuse_the_ring_exactly(cache_dir):
         expect = F.linear(x, w.cuda(), b.cuda() if k % 3 == 2 else None)
         assert torch.equal(out, expect), k
     expect = F.linear(F.silu(F.linear(x, wg.cuda())) * F.linear(x, wu.cuda()), wd.cuda())
-    assert torch.allclose(y, expect, rtol=1e-5, atol=1e-2)
+    # fp32 sums of products near 1e5: compare against the norm, not element by element
+    assert ((y - expect).norm() / expect.norm()).item() < 1e-6
 
 
 def test_the_ring_copies_while_the_caller_stream_is_busy(cache_dir):
