@@ -1,146 +1,669 @@
 """A 4-layer transformers Llama whose decoder Linear weights live in host memory.
 
-    python -m benchmarks.offload_llama [--out benchmarks/results] [--rounds N]
+    python -m benchmarks.offload_llama [--tokens 512,4096,1] [--rounds N]
+                                       [--variants codegen,prefetch,...] [--out DIR]
+                                       [--dry-run]
 
 h 4096, i 14336, 32 heads, 8 kv heads, vocab 32000, bf16, random weights; the decoder
-layers' Linear weights (1.63 GiB) offloaded, embeddings, norms and lm_head on the GPU, as:
+layers' Linear weights (1.63 GiB) in pinned host memory, embeddings, norms and lm_head on
+the GPU. Every variant has its own model, built from one config with one seed (offloading
+changes a model in place):
 
-- codegen: ``codegen.nn.offload(model, slices=8)`` (one compiled program per Linear call,
-  each streaming its weight in slices under its GEMMs; no prefetch across Linears);
+- codegen: ``codegen.nn.offload(model, slices=8, filter=<decoder Linears>)`` with its
+  default settings (one compiled program per Linear call, streaming its weight in slices
+  under its GEMMs);
+- codegen_noprefetch: the same with ``prefetch=False`` (only where offload() takes it);
 - accelerate: ``accelerate.cpu_offload`` of each decoder layer (its hooks copy each weight
-  from host memory when the layer runs), where accelerate is installed;
+  from pageable host memory when the layer runs), where accelerate is installed;
+- prefetch: a hand-written layer prefetch in PyTorch (``LayerPrefetch``): two GPU buffer
+  sets of one decoder layer's Linear weights each; a side stream copies layer l+1 into one
+  while layer l reads the other, the last layer starts layer 0 of the next forward;
 - gpu: the model with every weight on the GPU;
-- copy: the offloaded bytes copied alone from pinned memory, back to back (the floor).
+- copy: the offloaded bytes copied alone from pinned memory, one copy per weight into a
+  preallocated GPU buffer, back to back on one stream (the floor).
 
-Prefills of 512 and 4096 tokens and one decode step (one token after a 512-token prompt,
-with the KV cache), forwards back to back, the variants interleaved in rounds after a
-warm-up; medians. Writes offload_llama.json (rows: tokens, variant, ms, ratio to the copy
-floor, GPU and host memory) to --out and prints the table.
+``--tokens``: prefills of that many tokens (no KV cache); 1 is the decode step instead:
+one token after a 512-token prompt, with a KV cache (``DecodeStep``), for codegen,
+prefetch, gpu and copy. Each step times its variants in rounds after a warm-up, every
+variant once per round in a rotated order, the device synchronized before each block
+(a variant's side-stream copies must not run under the next variant's block), several
+forwards back to back per block; ms is the median over rounds, the ratios the medians of
+per-round ratios to the copy floor and to accelerate.
+
+gpu_mib: the forward's peak GPU memory above what was allocated before it
+(``torch.cuda.max_memory_allocated`` after ``reset_peak_memory_stats``), plus what the
+variant keeps allocated between forwards beyond its resident model (prefetch's buffer
+sets, the copy floor's buffers, whatever offload() keeps); the KV cache of the decode
+step's prompt is not counted. host_mib: pinned host memory the variant holds for the
+offloaded weights (offload()'s registered arena plus pinned-allocator growth while the
+variant was set up; accelerate's host copies are pageable, so it holds none).
+
+Writes offload_llama.json (rows: tokens, step, kv_cache, variant, ms, ratio_copy,
+ratio_accelerate, gpu_mib, host_mib) to --out and prints the table. Needs a CUDA GPU
+(``--dry-run`` does not: it prints what would run).
 """
 
 from __future__ import annotations
 
 import argparse
-import copy
+import contextlib
+import dataclasses
 import datetime
+import functools
+import gc
+import importlib.util
+import inspect
 import json
+import math
 import statistics
 import sys
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
 import codegen.nn
-from benchmarks.common import RESULTS, bind, interleaved
+from benchmarks.common import (
+    RESULTS,
+    Block,
+    bind,
+    estimate_ms,
+    median_ratio,
+    peak_mib,
+    reps_for,
+    run_rounds,
+    warm_up,
+)
+
+VARIANTS = ("codegen", "codegen_noprefetch", "accelerate", "prefetch", "gpu", "copy")
+DECODE_VARIANTS = ("codegen", "prefetch", "gpu", "copy")
+DECODE_PROMPT = 512  # tokens in the KV cache of the decode step
+SEED = 0
+SETS = 2  # buffer sets of the hand-written prefetch: the layer that runs, the one copied
+ALIGN = 256  # bytes: where each weight starts in a buffer set (as offload()'s arena)
 
 
-def llama() -> Any:
+# ---------------------------------------------------------------------------- the model
+
+
+def llama_config() -> Any:
+    """The benchmark's Llama config (every variant's model is built from it)."""
     import transformers
 
-    config = transformers.LlamaConfig(
+    return transformers.LlamaConfig(
         vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=4,
         num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192,
-        tie_word_embeddings=False, torch_dtype=torch.bfloat16)
-    torch.manual_seed(0)
-    with torch.device("cpu"):
-        model = transformers.LlamaForCausalLM(config).to(torch.bfloat16).eval()
-    return model
+        tie_word_embeddings=False)
 
 
-def decoder_linears(model: Any) -> list[torch.nn.Linear]:
-    return [m for layer in model.model.layers for m in layer.modules()
-            if isinstance(m, torch.nn.Linear)]
+def build(config: Any, seed: int = SEED, device: str | torch.device = "cuda") -> Any:
+    """A bf16 LlamaForCausalLM with random weights from ``seed``, in eval mode, built on
+    ``device`` (on the GPU initialization takes a moment, on the CPU tens of seconds;
+    the same seed gives the same weights on the same device)."""
+    import transformers
+
+    torch.manual_seed(seed)
+    with torch.device(device):
+        return transformers.LlamaForCausalLM(config).to(torch.bfloat16).eval()
 
 
-def forward(model: Any, ids: torch.Tensor) -> Any:
+def decoder_linears(model: Any) -> list[list[torch.nn.Linear]]:
+    """Each decoder layer's Linears, in module order."""
+    return [[m for m in layer.modules() if isinstance(m, torch.nn.Linear)]
+            for layer in model.model.layers]
+
+
+def is_decoder_linear(name: str, module: torch.nn.Module) -> bool:
+    """offload()'s filter: the Linears inside the decoder layers (not lm_head)."""
+    return name.startswith("model.layers.")
+
+
+def forward(model: Any, ids: torch.Tensor) -> torch.Tensor:
+    """A prefill forward without a KV cache; the logits."""
     with torch.no_grad():
         return model(ids, use_cache=False).logits
 
 
+def cache_keyword(model: Any) -> str:
+    """The forward's KV-cache keyword: ``cache`` in newer transformers releases (where
+    ``past_key_values`` is deprecated), ``past_key_values`` before."""
+    params = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
 class DecodeStep:
-    """One decode step after a prompt: the prompt's KV cache is made once (untimed); each
-    call forwards one token at the next position on a copy of it (a few MB on the GPU; the
-    cache's crop API differs across transformers versions)."""
+    """One decode step per call: one token forwarded at position ``prompt`` length with a
+    KV cache (a ``transformers.DynamicCache``) holding the prompt's keys and values.
+
+    The prompt's cache is made once, untimed. Each call is a real one-token step: the
+    cache appends the token's keys and values (a concatenation, as in generation) and the
+    attention reads all prompt + 1 positions; then ``crop(-1)`` drops that token again (a
+    view, no copy), so every call sees the same prompt-long prefix. ``crop(-1)`` removes
+    the last token under both crop signatures transformers has had (``max_length``,
+    negative counting from the end, and ``tokens_to_remove``); the constructor checks
+    that it does."""
 
     def __init__(self, model: Any, prompt: torch.Tensor, token: torch.Tensor) -> None:
-        self.model, self.token, self.length = model, token, prompt.shape[1]
-        with torch.no_grad():
-            self.cache = model(prompt, use_cache=True).past_key_values
+        import transformers
 
-    def __call__(self) -> Any:
+        self.model, self.token, self.length = model, token, prompt.shape[1]
+        self.keyword = cache_keyword(model)
+        self.cache = transformers.DynamicCache()
         with torch.no_grad():
-            out = self.model(self.token, past_key_values=copy.deepcopy(self.cache),
-                             use_cache=True)
+            model(prompt, use_cache=True, **{self.keyword: self.cache})
+        for _ in range(2):  # the prompt's cache, and after a step and its crop
+            if self.cache.get_seq_length() != self.length:
+                raise RuntimeError(f"DecodeStep: the KV cache holds "
+                                   f"{self.cache.get_seq_length()} tokens, expected "
+                                   f"{self.length}; DynamicCache.crop(-1) did not drop "
+                                   "the decoded token in this transformers release")
+            self()
+
+    def __call__(self) -> torch.Tensor:
+        with torch.no_grad():
+            out = self.model(self.token, use_cache=True, **{self.keyword: self.cache})
+        self.cache.crop(-1)
         return out.logits
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m benchmarks.offload_llama", description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=RESULTS)
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--tokens", default="512,4096")
-    args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("offload_llama: needs a CUDA GPU", file=sys.stderr)
-        return 1
-    base = llama()
-    offloaded_bytes = sum(m.weight.numel() * 2 for m in decoder_linears(base))
-    models: dict[str, Any] = {"gpu": copy.deepcopy(base).cuda()}
-    ours = codegen.nn.offload(copy.deepcopy(base), slices=8,
-                              filter=lambda name, m: name.startswith("model.layers."))
-    models["codegen"] = ours
-    try:
+# ---------------------------------------------------------------------------- the prefetch
+
+
+@dataclasses.dataclass(frozen=True)
+class BufferPlan:
+    """Where each decoder layer's Linear weights lie in a buffer set: ``offsets[l][j]``
+    is the element offset of layer l's j-th weight; a set holds ``numel`` elements (the
+    largest layer)."""
+
+    numel: int
+    offsets: list[list[int]]
+
+
+def plan_buffers(shapes: Sequence[Sequence[tuple[int, ...]]], element_size: int,
+                 align: int = ALIGN) -> BufferPlan:
+    """The layout of one buffer set for weights of ``shapes[l][j]`` (layer l, Linear j):
+    each layer's weights back to back from offset 0, each starting at a multiple of
+    ``align`` bytes (the GEMMs read aligned operands; one alignment for every layer so
+    that any layer fits any set)."""
+    if align % element_size:
+        raise ValueError(f"plan_buffers: align {align} is not a multiple of the element "
+                         f"size {element_size}")
+    step = align // element_size
+    offsets, numel = [], 0
+    for layer in shapes:
+        at, row = 0, []
+        for shape in layer:
+            row.append(at)
+            at += -(-math.prod(shape) // step) * step
+        offsets.append(row)
+        numel = max(numel, at)
+    return BufferPlan(numel, offsets)
+
+
+@dataclasses.dataclass(frozen=True)
+class Copy:
+    """Copy decoder layer ``layer``'s weights into buffer set ``buf`` on the side stream.
+    ``urgent``: nothing was prefetched for the layer about to run (the first call, or a
+    call out of order), so the side stream waits for all the compute stream has queued;
+    otherwise it waits only for ``buf``'s release (the end of the layer that last read
+    it)."""
+
+    layer: int
+    buf: int
+    urgent: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Use:
+    """The compute stream waits for the last copy into ``buf``; layer ``layer``'s Linears
+    read their weights from ``buf``."""
+
+    layer: int
+    buf: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Release:
+    """The layer reading ``buf`` is queued: the compute stream records ``buf``'s release."""
+
+    buf: int
+
+
+class PrefetchSchedule:
+    """What each decoder-layer call does in the hand-written prefetch, in plain Python:
+    call c (counted over forwards) reads buffer set c % sets and, before it runs, starts
+    the copy of the next layer (after the last layer, layer 0 of the next forward) into
+    set (c + 1) % sets, so that copy runs under this call. ``LayerPrefetch`` carries the
+    actions out with CUDA streams and events."""
+
+    def __init__(self, layers: int, sets: int = SETS) -> None:
+        if layers < 1 or sets < 2:
+            raise ValueError(f"PrefetchSchedule: need layers >= 1 and sets >= 2, got "
+                             f"{layers}, {sets}")
+        self.layers, self.sets = layers, sets
+        self.calls = 0
+        self.holds: dict[int, int] = {}  # buffer set -> the layer last copied into it
+        self.running: Use | None = None
+
+    def before(self, layer: int) -> list[Copy | Use]:
+        """The actions before decoder layer ``layer`` runs, in order."""
+        if not 0 <= layer < self.layers:
+            raise ValueError(f"PrefetchSchedule: layer {layer} of {self.layers}")
+        if self.running is not None:
+            raise RuntimeError(f"PrefetchSchedule: layer {layer} called while layer "
+                               f"{self.running.layer} runs")
+        buf, nxt = self.calls % self.sets, (self.calls + 1) % self.sets
+        actions: list[Copy | Use] = []
+        if self.holds.get(buf) != layer:
+            actions.append(Copy(layer, buf, urgent=True))
+        self.running = Use(layer, buf)
+        actions += [self.running, Copy((layer + 1) % self.layers, nxt)]
+        for a in actions:
+            if isinstance(a, Copy):
+                self.holds[a.buf] = a.layer
+        return actions
+
+    def after(self, layer: int) -> list[Release]:
+        """The actions after decoder layer ``layer`` has been called."""
+        if self.running is None or self.running.layer != layer:
+            raise RuntimeError(f"PrefetchSchedule: layer {layer} ended but was not running")
+        buf, self.running = self.running.buf, None
+        self.calls += 1
+        return [Release(buf)]
+
+
+class LayerPrefetch:
+    """The hand-written layer prefetch: every decoder Linear's weight goes to its own
+    pinned host tensor; two GPU buffer sets hold one decoder layer's weights each
+    (``plan_buffers``); forward pre-hooks on the decoder layers point each Linear's
+    ``weight.data`` at its view in the set ``PrefetchSchedule`` names and start the next
+    layer's copies on a side stream; forward hooks record the set's release. Events
+    order each copy before the layer that reads it, and each copy after the layer that
+    last read its set. The model itself runs unchanged. On the CPU (tests) the copies are
+    synchronous and there are no streams."""
+
+    def __init__(self, model: Any) -> None:
+        device = model.model.embed_tokens.weight.device
+        self.linears = decoder_linears(model)
+        dtype = self.linears[0][0].weight.dtype
+        if any(m.weight.dtype != dtype for ms in self.linears for m in ms):
+            raise ValueError("LayerPrefetch: the decoder Linears' weights differ in dtype")
+        shapes = [[tuple(m.weight.shape) for m in ms] for ms in self.linears]
+        self.plan = plan_buffers(shapes, dtype.itemsize)
+        cuda = device.type == "cuda"
+        self.host = [[torch.empty(m.weight.shape, dtype=dtype, pin_memory=cuda)
+                      .copy_(m.weight.detach()) for m in ms] for ms in self.linears]
+        self.sets = [torch.empty(self.plan.numel, dtype=dtype, device=device)
+                     for _ in range(SETS)]
+        self.views = [[[s[o:o + math.prod(shape)].view(shape)
+                        for o, shape in zip(offsets, layer_shapes)]
+                       for offsets, layer_shapes in zip(self.plan.offsets, shapes)]
+                      for s in self.sets]
+        for ms, views in zip(self.linears, self.views[0]):
+            for m, v in zip(ms, views):
+                m.weight.data = v  # the original (GPU) weight is freed here
+        self.schedule = PrefetchSchedule(len(self.linears))
+        self.side = torch.cuda.Stream(device) if cuda else None
+        self.copied = [torch.cuda.Event() for _ in self.sets] if cuda else []
+        self.released = [torch.cuda.Event() for _ in self.sets] if cuda else []
+        for i, layer in enumerate(model.model.layers):
+            layer.register_forward_pre_hook(functools.partial(self._before, i))
+            layer.register_forward_hook(functools.partial(self._after, i))
+
+    @property
+    def nbytes(self) -> int:
+        """GPU bytes of the buffer sets."""
+        return sum(s.numel() * s.element_size() for s in self.sets)
+
+    def _before(self, layer: int, module: torch.nn.Module, args: Any) -> None:
+        for a in self.schedule.before(layer):
+            if isinstance(a, Copy):
+                self._copy(a)
+            else:
+                self._use(a)
+
+    def _after(self, layer: int, module: torch.nn.Module, args: Any, out: Any) -> None:
+        for a in self.schedule.after(layer):
+            if self.side is not None:
+                self.released[a.buf].record(torch.cuda.current_stream())
+
+    def _copy(self, a: Copy) -> None:
+        if self.side is not None:
+            if a.urgent:
+                self.side.wait_stream(torch.cuda.current_stream())
+            else:
+                self.side.wait_event(self.released[a.buf])
+        on_side = torch.cuda.stream(self.side) if self.side is not None else \
+            contextlib.nullcontext()
+        with on_side:
+            for dst, src in zip(self.views[a.buf][a.layer], self.host[a.layer]):
+                dst.copy_(src, non_blocking=self.side is not None)
+        if self.side is not None:
+            self.copied[a.buf].record(self.side)
+
+    def _use(self, a: Use) -> None:
+        if self.side is not None:
+            torch.cuda.current_stream().wait_event(self.copied[a.buf])
+        for m, v in zip(self.linears[a.layer], self.views[a.buf][a.layer]):
+            m.weight.data = v
+
+
+# ---------------------------------------------------------------------------- variants
+
+
+def offload_takes_prefetch() -> bool:
+    """Whether ``codegen.nn.offload`` has a ``prefetch`` keyword."""
+    return "prefetch" in inspect.signature(codegen.nn.offload).parameters
+
+
+def pinned_host_bytes() -> int:
+    """Bytes the pinned host allocator owns now (0 where torch does not report it)."""
+    if not hasattr(torch.cuda, "host_memory_stats"):
+        return 0
+    return int(torch.cuda.host_memory_stats().get("allocated_bytes.current", 0))
+
+
+def resident_bytes(model: Any, exclude: Sequence[torch.Tensor] = ()) -> int:
+    """GPU bytes of ``model``'s parameters and buffers, each storage once, leaving out
+    the storages of ``exclude`` (the prefetch's buffer sets)."""
+    skip = {t.untyped_storage().data_ptr() for t in exclude}
+    seen: dict[int, int] = {}
+    for t in [*model.parameters(), *model.buffers()]:
+        if t.device.type == "cuda":
+            s = t.untyped_storage()
+            if s.data_ptr() not in skip:
+                seen[s.data_ptr()] = s.nbytes()
+    return sum(seen.values())
+
+
+@dataclasses.dataclass
+class Variant:
+    """One variant, set up: its model (None for the copy floor), its call where it has no
+    model, what must stay alive with it (the prefetch and its hooks), the GPU bytes it
+    keeps beyond its resident model, the pinned host bytes it holds, and how far its
+    logits are from the GPU-resident model's (max abs difference over max abs logit)."""
+
+    name: str
+    model: Any = None
+    call: Callable[[], Any] | None = None
+    keep: Any = None
+    held_bytes: int = 0
+    host_bytes: int = 0
+    error: float | None = None
+
+
+def make(name: str, config: Any, shapes: list[list[tuple[int, ...]]]) -> Variant:
+    """Variant ``name``, built (``shapes``: the decoder Linears' weight shapes, for the
+    copy floor)."""
+    if name == "copy":
+        host = [torch.zeros(s, dtype=torch.bfloat16, pin_memory=True)
+                for layer in shapes for s in layer]
+        dev = [torch.empty_like(w, device="cuda") for w in host]
+
+        def copies() -> None:
+            for w, d in zip(host, dev):
+                d.copy_(w, non_blocking=True)
+        return Variant(name, call=copies)
+    model = build(config)
+    if name == "gpu":
+        return Variant(name, model)
+    if name == "codegen":
+        return Variant(name, codegen.nn.offload(model, slices=8, filter=is_decoder_linear))
+    if name == "codegen_noprefetch":
+        return Variant(name, codegen.nn.offload(model, slices=8, filter=is_decoder_linear,
+                                                prefetch=False))
+    if name == "accelerate":
         import accelerate
 
-        acc = copy.deepcopy(base).cuda()
-        for layer in acc.model.layers:
+        for layer in model.model.layers:
             layer.cpu()
             accelerate.cpu_offload(layer, execution_device=torch.device("cuda"))
-        models["accelerate"] = acc
-    except ImportError:
-        print("offload_llama: accelerate is not installed; its rows are missing")
-    host = [m.weight.detach().cpu().pin_memory() for m in decoder_linears(base)]
-    dev = [torch.empty_like(w, device="cuda") for w in host]
+        return Variant(name, model)
+    if name == "prefetch":
+        return Variant(name, model, keep=LayerPrefetch(model))
+    raise ValueError(f"unknown variant {name!r}")
 
-    def copies() -> None:
-        for w, d in zip(host, dev):
-            d.copy_(w, non_blocking=True)
 
+def set_up(name: str, config: Any, shapes: list[list[tuple[int, ...]]], ids: torch.Tensor,
+           reference: torch.Tensor | None) -> tuple[Variant, torch.Tensor | None]:
+    """Builds variant ``name`` and runs one prefill of ``ids`` (which also compiles and
+    allocates what the first forward does); measures the GPU bytes it keeps beyond its
+    resident model and the pinned host bytes it took; compares its logits with
+    ``reference``. Returns the variant and its logits (None for the copy floor)."""
+    gc.collect()
+    torch.cuda.synchronize()
+    gpu0, host0 = torch.cuda.memory_allocated(), pinned_host_bytes()
+    v = make(name, config, shapes)
+    logits, resident = None, 0
+    if v.model is not None:
+        logits = forward(v.model, ids)
+        if reference is not None:
+            v.error = ((logits.float() - reference.float()).abs().max()
+                       / reference.float().abs().max()).item()
+        exclude = v.keep.sets if isinstance(v.keep, LayerPrefetch) else ()
+        resident = resident_bytes(v.model, exclude) + logits.numel() * logits.element_size()
+    gc.collect()
+    torch.cuda.synchronize()
+    v.held_bytes = max(0, torch.cuda.memory_allocated() - gpu0 - resident)
+    v.host_bytes = pinned_host_bytes() - host0
+    if name.startswith("codegen"):  # its arena is registered, not from torch's allocator
+        arena = codegen.nn.arena(v.model)
+        v.host_bytes += arena.nbytes if arena.pinned else 0
+    return v, logits
+
+
+def timed_rounds(variants: dict[str, Callable[[], Any]], rounds: int, *,
+                 block_ms: float = 40.0, warmup_s: float = 1.5) -> dict[str, list[float]]:
+    """Milliseconds per call of each variant, one value per round: a warm-up of every
+    variant in turn, then per variant as many calls per block as fill about ``block_ms``
+    (at least 3), and ``rounds`` rounds of one block each in a rotated order, the device
+    synchronized before each block (``benchmarks.common.interleaved``'s measurement, but
+    a variant's trailing side-stream copies do not spill into the next block)."""
+    every = list(variants.values())
+    warm_up(lambda: [fn() for fn in every], warmup_s, batch=1)
+    reps = {v: reps_for(estimate_ms(fn, 3), block_ms, 3, 50) for v, fn in variants.items()}
+    return run_rounds({v: Block(fn, reps[v]) for v, fn in variants.items()}, rounds,
+                      sync_each=True)
+
+
+# ---------------------------------------------------------------------------- rows
+
+
+def summarize(tokens: int, times: dict[str, list[float]], gpu_mib: dict[str, float],
+              host_mib: dict[str, float]) -> list[dict[str, Any]]:
+    """The rows of one step: ms is the median over rounds; ratio_copy and
+    ratio_accelerate the medians of per-round ratios to the copy floor and to accelerate
+    (None where that variant was not timed). ``tokens`` 1 is the decode step."""
     rows = []
-    for tokens in (int(t) for t in args.tokens.split(",")):
-        ids = torch.randint(0, 32000, (1, tokens), device="cuda")
-        variants = {"copy": copies, **{k: bind(forward, m, ids) for k, m in models.items()}}
-        rounds = max(2, args.rounds if tokens <= 512 else args.rounds - 2)
-        times = interleaved({k: v for k, v in variants.items() if k != "accelerate"}, rounds)
-        if "accelerate" in models:  # seconds a round: timed apart, fewer times
-            times |= interleaved({"accelerate": variants["accelerate"]}, 2)
-        floor = statistics.median(times["copy"])
-        for k, t in times.items():
-            rows.append({"tokens": tokens, "step": "prefill", "variant": k,
-                         "ms": statistics.median(t), "ratio": statistics.median(t) / floor})
-    prompt = torch.randint(0, 32000, (1, 512), device="cuda")
-    token = torch.randint(0, 32000, (1, 1), device="cuda")
-    variants = {"copy": copies, **{k: DecodeStep(m, prompt, token) for k, m in models.items()
-                                   if k != "accelerate"}}
-    times = interleaved(variants, args.rounds)
-    floor = statistics.median(times["copy"])
-    for k, t in times.items():
-        rows.append({"tokens": 1, "step": "decode", "variant": k, "ms": statistics.median(t),
-                     "ratio": statistics.median(t) / floor})
-    report = codegen.nn.report(ours).as_dict()
-    arena = codegen.nn.arena(ours).nbytes
-    print(f"{'step':8}{'tokens':>7} {'variant':12}{'ms':>9}{'/ copy floor':>14}")
+    for v, t in times.items():
+        rows.append({
+            "tokens": tokens, "step": "decode" if tokens == 1 else "prefill",
+            "kv_cache": tokens == 1, "variant": v, "ms": statistics.median(t),
+            "ratio_copy": median_ratio(t, times["copy"]) if "copy" in times else None,
+            "ratio_accelerate": (median_ratio(t, times["accelerate"])
+                                 if "accelerate" in times else None),
+            "gpu_mib": gpu_mib[v], "host_mib": host_mib[v], "rounds": len(t)})
+    return rows
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    """The rows as a text table."""
+    def ratio(x: float | None) -> str:
+        return f"{x:9.3f}" if x is not None else f"{'-':>9}"
+
+    lines = [f"{'step':8}{'tokens':>7} {'variant':19}{'ms':>9}{'/ copy':>9}{'/ accel':>9}"
+             f"{'gpu_mib':>10}{'host_mib':>10}"]
     for r in rows:
-        print(f"{r['step']:8}{r['tokens']:7} {r['variant']:12}{r['ms']:9.2f}{r['ratio']:14.3f}")
-    print(f"offloaded {offloaded_bytes / 2**30:.2f} GiB; pinned arena {arena / 2**30:.3f} GiB "
-          f"({arena / offloaded_bytes:.4f} x); last codegen report: {report}")
+        lines.append(f"{r['step']:8}{r['tokens']:7} {r['variant']:19}{r['ms']:9.2f}"
+                     f"{ratio(r['ratio_copy'])}{ratio(r['ratio_accelerate'])}"
+                     f"{r['gpu_mib']:10.1f}{r['host_mib']:10.1f}")
+    return "\n".join(lines)
+
+
+def rounds_for(tokens: int, rounds: int) -> int:
+    """Rounds of a step: fewer for long prefills (each round takes longer), at least 2."""
+    return max(2, rounds if tokens <= DECODE_PROMPT else rounds - 2)
+
+
+def steps(tokens: Sequence[int], variants: Sequence[str]) -> list[tuple[int, list[str]]]:
+    """Each step's token count and variants (the decode step only has DECODE_VARIANTS)."""
+    return [(t, [v for v in variants if t != 1 or v in DECODE_VARIANTS]) for t in tokens]
+
+
+# ---------------------------------------------------------------------------- main
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    """The command line."""
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.offload_llama", description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=RESULTS,
+                        help="folder of offload_llama.json (default: benchmarks/results)")
+    parser.add_argument("--rounds", type=int, default=5,
+                        help="timed rounds (2 fewer for prefills over 512 tokens; >= 2)")
+    parser.add_argument("--tokens", default="512,4096,1",
+                        help="prefill lengths; 1 is the decode step (one token after a "
+                             f"{DECODE_PROMPT}-token prompt, with a KV cache)")
+    parser.add_argument("--variants", default=",".join(VARIANTS),
+                        help=f"comma-separated, of {', '.join(VARIANTS)}")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="print what would run and the prefetch's buffer plan; no GPU")
+    args = parser.parse_args(argv)
+    try:
+        args.tokens = [int(t) for t in args.tokens.split(",") if t.strip()]
+    except ValueError:
+        parser.error(f"--tokens {args.tokens!r}: expected comma-separated integers")
+    if not args.tokens or min(args.tokens) < 1:
+        parser.error("--tokens: expected positive integers")
+    args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    unknown = [v for v in args.variants if v not in VARIANTS]
+    if unknown or not args.variants:
+        parser.error(f"--variants: unknown {unknown}; expected some of {', '.join(VARIANTS)}")
+    if args.rounds < 1:
+        parser.error("--rounds: expected a positive integer")
+    return args
+
+
+def decoder_shapes(config: Any) -> list[list[tuple[int, ...]]]:
+    """Each decoder layer's Linear weight shapes, from a model on the meta device (no
+    memory, no initialization)."""
+    import transformers
+
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(config)
+    return [[tuple(m.weight.shape) for m in ms] for ms in decoder_linears(model)]
+
+
+def available(variants: Sequence[str]) -> tuple[list[str], list[str]]:
+    """The variants that can run here, and notes on those that cannot (or that need
+    one)."""
+    kept, notes = list(variants), []
+    if "codegen_noprefetch" in kept and not offload_takes_prefetch():
+        kept.remove("codegen_noprefetch")
+        notes.append("codegen_noprefetch skipped: codegen.nn.offload() takes no prefetch=")
+    if "accelerate" in kept and importlib.util.find_spec("accelerate") is None:
+        kept.remove("accelerate")
+        notes.append("accelerate skipped: accelerate is not installed")
+    if "accelerate" in kept:
+        notes.append("accelerate keeps its host copies in pageable memory: host_mib "
+                     "counts pinned memory only")
+    return kept, notes
+
+
+def set_up_all(variants: Sequence[str], config: Any, shapes: list[list[tuple[int, ...]]],
+               prompt: torch.Tensor, notes: list[str]) -> dict[str, Variant]:
+    """Every variant, set up (``set_up``), the GPU-resident model first: its logits of
+    ``prompt`` are the reference of the others' (a large difference is noted)."""
+    # The default stream's GEMM workspace now, so that no variant's held bytes count it.
+    x = torch.ones(16, 16, device="cuda", dtype=torch.bfloat16)
+    torch.nn.functional.linear(x, x)
+    built: dict[str, Variant] = {}
+    reference = None
+    for name in sorted(variants, key=lambda v: v != "gpu"):
+        v, logits = set_up(name, config, shapes, prompt, reference)
+        built[name] = v
+        if name == "gpu":
+            reference = logits
+        print(f"set up {name}: keeps {v.held_bytes / 2**20:.1f} MiB on the GPU beyond its "
+              f"model, {v.host_bytes / 2**20:.1f} MiB pinned on the host"
+              + (f"; logits vs gpu {v.error:.2e}" if v.error is not None else ""))
+        if v.error is not None and v.error > 5e-2:
+            notes.append(f"{name}: logits differ from the GPU-resident model's by "
+                         f"{v.error:.2e} (max abs difference / max abs logit)")
+            print(f"WARNING: {notes[-1]}")
+    return built
+
+
+def measure(built: dict[str, Variant], tokens: int, names: Sequence[str], rounds: int,
+            prompt: torch.Tensor, token: torch.Tensor, vocab: int) -> list[dict[str, Any]]:
+    """One step's rows: a prefill of ``tokens`` random tokens, or for 1 the decode step
+    after ``prompt``; timed in rounds (``timed_rounds``), then one call of each variant
+    for its peak memory."""
+    if tokens == 1:
+        calls = {v: built[v].call or DecodeStep(built[v].model, prompt, token)
+                 for v in names}
+    else:
+        torch.manual_seed(SEED + tokens)
+        ids = torch.randint(0, vocab, (1, tokens), device="cuda")
+        calls = {v: built[v].call or bind(forward, built[v].model, ids) for v in names}
+    times = timed_rounds(calls, rounds)
+    gpu_mib = {v: peak_mib(fn) + built[v].held_bytes / 2**20 for v, fn in calls.items()}
+    host_mib = {v: built[v].host_bytes / 2**20 for v in names}
+    return summarize(tokens, times, gpu_mib, host_mib)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    try:
+        import transformers
+    except ImportError:
+        print("offload_llama: needs transformers (pip install transformers)", file=sys.stderr)
+        return 1
+    variants, notes = available(args.variants)
+    config = llama_config()
+    shapes = decoder_shapes(config)
+    offloaded = sum(math.prod(s) * 2 for layer in shapes for s in layer)
+    plan = plan_buffers(shapes, 2)
+    plan_line = (f"offloaded {offloaded / 2**30:.3f} GiB in {sum(map(len, shapes))} "
+                 f"Linears; prefetch: {SETS} buffer sets of {plan.numel * 2 / 2**20:.1f} MiB")
+    if args.dry_run:
+        for tokens, names in steps(args.tokens, variants):
+            kind = (f"decode (1 token, {DECODE_PROMPT}-token KV cache)" if tokens == 1
+                    else f"prefill {tokens}")
+            print(f"{kind}: {rounds_for(tokens, args.rounds)} rounds of {', '.join(names)}")
+        print(plan_line)
+        print("\n".join(notes))
+        return 0
+    if not torch.cuda.is_available():
+        print("offload_llama: needs a CUDA GPU (--dry-run prints what would run)",
+              file=sys.stderr)
+        return 1
+
+    print("\n".join(notes))
+    torch.manual_seed(SEED + 1)
+    prompt = torch.randint(0, config.vocab_size, (1, DECODE_PROMPT), device="cuda")
+    token = torch.randint(0, config.vocab_size, (1, 1), device="cuda")
+    built = set_up_all(variants, config, shapes, prompt, notes)
+    rows = []
+    for tokens, names in steps(args.tokens, variants):
+        rows += measure(built, tokens, names, rounds_for(tokens, args.rounds), prompt, token,
+                        config.vocab_size)
+    print(table(rows))
+    print(plan_line)
+    print("\n".join(notes))
+    reports = {v: codegen.nn.report(built[v].model).as_dict()
+               for v in ("codegen", "codegen_noprefetch") if v in built}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "offload_llama.json").write_text(json.dumps({
         "date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name(),
-        "torch": torch.__version__, "offloaded_bytes": offloaded_bytes,
-        "arena_bytes": arena, "rows": rows, "last_report": report}, indent=1) + "\n")
+        "torch": torch.__version__, "transformers": transformers.__version__,
+        "offloaded_bytes": offloaded,
+        "arena_bytes": (codegen.nn.arena(built["codegen"].model).nbytes
+                        if "codegen" in built else None),
+        "prefetch_buffer_bytes": SETS * plan.numel * 2,
+        "logits_error_vs_gpu": {v: b.error for v, b in built.items() if b.error is not None},
+        "notes": notes, "rows": rows, "last_reports": reports}, indent=1) + "\n")
     return 0
 
 

@@ -595,7 +595,7 @@ class HostProgram:
         options = [f"gemm_sm_count={self.gemm_sm_count}"] if self.gemm_sm_count else []
         if self.gemm_library != "cublaslt":
             options.append(f"gemm_library={self.gemm_library}")
-        if self.copy_stream:
+        if self.copy_stream and self.staging == "slots":  # a ring implies its copy stream
             options.append("copy_stream")
         if self.staging != "slots":
             options.append(f"staging={self.staging}")

@@ -5,6 +5,7 @@ the programs they time (through the evaluator), and the launch-floor baseline's 
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -491,3 +492,200 @@ def test_copy_trace_splits_a_sustained_trace_into_calls(monkeypatch):
     # call, period, copy busy, GB/s, GEMM busy, exposed (GEMM with no copy), idle, memsets
     assert rows[0] == ["0", "900.0", "600.0", "55.0", "500.0", "255.0", "45.0", "1"]
     assert rows[1] == ["1", "855.0", "600.0", "55.0", "500.0", "255.0", "0.0", "1"]
+
+
+# ---------------------------------------------------------------------------- offload_llama
+
+
+def test_offload_llama_buffer_plan_aligns_and_fits_the_largest_layer():
+    from benchmarks import offload_llama as ol
+
+    plan = ol.plan_buffers([[(3, 5), (2, 2)], [(10, 10)]], element_size=2, align=8)
+    assert plan.offsets == [[0, 16], [0]]  # 15 elements round up to 16 (8 bytes = 4 elements)
+    assert plan.numel == 100  # layer 1 (100) is larger than layer 0 (16 + 4)
+    with pytest.raises(ValueError, match="multiple of the element size"):
+        ol.plan_buffers([[(4,)]], element_size=4, align=6)
+
+
+def test_offload_llama_buffer_plan_of_the_benchmark_model():
+    pytest.importorskip("transformers")
+    from benchmarks import offload_llama as ol
+
+    shapes = ol.decoder_shapes(ol.llama_config())
+    assert len(shapes) == 4 and all(len(layer) == 7 for layer in shapes)
+    plan = ol.plan_buffers(shapes, element_size=2)
+    for layer, offsets in zip(shapes, plan.offsets):
+        ends = [o + math.prod(s) for o, s in zip(offsets, layer)]
+        assert all(o * 2 % ol.ALIGN == 0 for o in offsets)
+        assert all(end <= nxt for end, nxt in zip(ends, offsets[1:]))  # no overlap
+        assert ends[-1] <= plan.numel
+    assert plan.numel * 2 == 416 * 2**20  # q, k, v, o, gate, up, down of one layer
+
+
+def replay_schedule(calls: list[int], layers: int):
+    """Drives a PrefetchSchedule through decoder-layer calls in order and checks, in the
+    host order the actions are queued in, what the CUDA streams would do: a layer reads
+    its own weights (the last copy into its set was of that layer), and a copy that only
+    waits for its set's release never overwrites a set that a queued layer reads without
+    a release recorded after it. Returns (the actions of each call, urgent copies,
+    copies never read)."""
+    from benchmarks import offload_llama as ol
+
+    schedule = ol.PrefetchSchedule(layers)
+    content: dict[int, int] = {}
+    unreleased: set[int] = set()
+    unread: set[int] = set()
+    per_call, urgent, wasted = [], 0, 0
+    for layer in calls:
+        actions = schedule.before(layer) + schedule.after(layer)
+        per_call.append(actions)
+        for a in actions:
+            if isinstance(a, ol.Copy):
+                if a.urgent:
+                    urgent += 1
+                else:
+                    assert a.buf not in unreleased, (layer, a)
+                wasted += a.buf in unread
+                content[a.buf] = a.layer
+                unread.add(a.buf)
+            elif isinstance(a, ol.Use):
+                assert content.get(a.buf) == a.layer, (layer, a, content)
+                unreleased.add(a.buf)
+                unread.discard(a.buf)
+            else:
+                unreleased.remove(a.buf)
+    return per_call, urgent, wasted
+
+
+@pytest.mark.parametrize("layers", [1, 3, 4])
+def test_offload_llama_prefetch_copies_the_next_layer_under_this_one(layers):
+    from benchmarks import offload_llama as ol
+
+    forwards = 3
+    per_call, urgent, wasted = replay_schedule(list(range(layers)) * forwards, layers)
+    assert urgent == 1 and wasted == 0  # only the very first layer waits for its copy
+    for c, actions in enumerate(per_call):
+        layer = c % layers
+        buf, other = c % ol.SETS, (c + 1) % ol.SETS
+        lead = [ol.Copy(layer, buf, urgent=True)] if c == 0 else []
+        # the last layer copies layer 0 of the next forward
+        assert actions == lead + [ol.Use(layer, buf), ol.Copy((layer + 1) % layers, other),
+                                  ol.Release(buf)], c
+
+
+def test_offload_llama_prefetch_recovers_from_calls_out_of_order():
+    # a forward that stops after layer 1 (the prefetched layer 2 is never read), and one
+    # that starts at layer 2: each first layer copies urgently, reads stay right
+    _, urgent, wasted = replay_schedule([0, 1, 0, 1, 2, 3, 2, 3, 0], layers=4)
+    assert urgent == 3 and wasted == 2
+    from benchmarks import offload_llama as ol
+
+    schedule = ol.PrefetchSchedule(2)
+    schedule.before(0)
+    with pytest.raises(RuntimeError, match="while layer 0 runs"):
+        schedule.before(1)
+    with pytest.raises(RuntimeError, match="was not running"):
+        schedule.after(1)
+    with pytest.raises(ValueError):
+        schedule.before(2)
+
+
+def tiny_llama(seed: int = 0, layers: int = 3):
+    """A small fp32 Llama on the CPU with random weights from ``seed``."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+def test_offload_llama_prefetch_hooks_leave_the_model_unchanged():
+    """On the CPU the hooks copy synchronously: what is checked is that each layer's
+    Linears read their own weights from the buffer sets, over several forwards."""
+    from benchmarks import offload_llama as ol
+
+    ref, model = tiny_llama(), tiny_llama()
+    prefetch = ol.LayerPrefetch(model)
+    sets = {s.untyped_storage().data_ptr() for s in prefetch.sets}
+    assert len(prefetch.sets) == ol.SETS
+    assert prefetch.nbytes == ol.SETS * prefetch.plan.numel * 4
+    for ms in ol.decoder_linears(model):
+        assert all(m.weight.untyped_storage().data_ptr() in sets for m in ms)
+    for seq in (5, 9, 5):
+        ids = torch.randint(0, 97, (1, seq))
+        torch.testing.assert_close(ol.forward(model, ids), ol.forward(ref, ids))
+    assert prefetch.schedule.calls == 3 * 3 and prefetch.schedule.running is None
+    prompt, token = torch.randint(0, 97, (1, 8)), torch.tensor([[3]])
+    torch.testing.assert_close(ol.DecodeStep(model, prompt, token)(),
+                               ol.DecodeStep(ref, prompt, token)())
+
+
+def test_offload_llama_decode_step_is_one_token_after_the_prompt():
+    from benchmarks import offload_llama as ol
+
+    model = tiny_llama(seed=1, layers=2)
+    prompt, token = torch.randint(0, 97, (1, 12)), torch.tensor([[5]])
+    step = ol.DecodeStep(model, prompt, token)
+    full = ol.forward(model, torch.cat([prompt, token], dim=1))[:, -1:]
+    for _ in range(3):  # every call: the same 12-token cache, position 12
+        torch.testing.assert_close(step(), full)
+        assert step.cache.get_seq_length() == 12
+
+
+def test_offload_llama_rows_take_medians_of_per_round_ratios():
+    from benchmarks import offload_llama as ol
+
+    times = {"copy": [10.0, 20.0, 10.0], "codegen": [12.0, 22.0, 13.0],
+             "accelerate": [100.0, 200.0, 100.0]}
+    mib = {"copy": 1664.0, "codegen": 300.0, "accelerate": 900.0}
+    rows = {r["variant"]: r for r in ol.summarize(512, times, mib, dict.fromkeys(mib, 0.0))}
+    row = rows["codegen"]
+    assert row["ms"] == 13.0 and row["rounds"] == 3
+    assert row["ratio_copy"] == pytest.approx(1.2)  # the ratio of medians would be 1.3
+    assert row["ratio_accelerate"] == pytest.approx(0.12)
+    assert row["step"] == "prefill" and row["kv_cache"] is False
+    assert row["gpu_mib"] == 300.0 and rows["copy"]["ratio_copy"] == 1.0
+    decode = ol.summarize(1, {"copy": [1.0], "gpu": [0.5]}, {"copy": 1.0, "gpu": 2.0},
+                          {"copy": 3.0, "gpu": 0.0})
+    assert [r["kv_cache"] for r in decode] == [True, True]
+    assert decode[1]["ratio_copy"] == 0.5 and decode[1]["ratio_accelerate"] is None
+    json.dumps(rows)
+    text = ol.table(decode)
+    assert "decode" in text and text.splitlines()[2].split()[5] == "-"
+
+
+def test_offload_llama_steps_and_rounds():
+    from benchmarks import offload_llama as ol
+
+    names = list(ol.VARIANTS)
+    assert ol.steps([512, 1], names) == [(512, names),
+                                         (1, ["codegen", "prefetch", "gpu", "copy"])]
+    assert [ol.rounds_for(t, 5) for t in (1, 512, 4096)] == [5, 5, 3]
+    assert ol.rounds_for(4096, 3) == 2
+
+
+def test_offload_llama_command_line_without_gpu():
+    pytest.importorskip("transformers")
+    done = run_module("benchmarks.offload_llama", "--dry-run")
+    assert done.returncode == 0, done.stderr
+    assert "prefill 4096: 3 rounds of codegen" in done.stdout
+    assert "decode (1 token, 512-token KV cache): 5 rounds of codegen, prefetch, gpu, copy" \
+        in done.stdout
+    assert "2 buffer sets of 416.0 MiB" in done.stdout
+    done = run_module("benchmarks.offload_llama", "--dry-run", "--tokens", "1",
+                      "--variants", "gpu,accelerate", "--rounds", "7")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[0] == "decode (1 token, 512-token KV cache): 7 rounds of gpu"
+    done = run_module("benchmarks.offload_llama", "--variants", "gpu,hand")
+    assert done.returncode == 2 and "unknown ['hand']" in done.stderr
+    done = run_module("benchmarks.offload_llama", "--tokens", "512,x")
+    assert done.returncode == 2 and "--tokens" in done.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message shown without a GPU")
+def test_offload_llama_without_gpu_says_so():
+    pytest.importorskip("transformers")
+    done = run_module("benchmarks.offload_llama", "--tokens", "512")
+    assert done.returncode == 1 and "needs a CUDA GPU" in done.stderr

@@ -13,7 +13,7 @@ from codegen import examples, races
 from codegen import hostir as hir
 
 RING_LINEAR = """\
-HostProgram offload_linear(x: bfloat16[m, k], w: bfloat16[n, k] device=cpu) -> (T2) [copy_stream, staging=ring]:
+HostProgram offload_linear(x: bfloat16[m, k], w: bfloat16[n, k] device=cpu) -> (T2) [staging=ring]:
   main_stream = GetCurrentStream()
   T2 = Allocate(bfloat16[m, n])
   for j in range(0, 4):
