@@ -1443,8 +1443,8 @@ def stage_in_ring(program: HostProgram) -> HostProgram:
         return program
     infos = program.allocations()
     loops = set(_copy_stream_loops(program))  # a loop on the caller's stream keeps its slots
-    stages = {n.stage for k in loops for n in program.body[k].children()
-              if isinstance(n, StagingSlot)}
+    stages = {n.stage for k in loops for n in _copies_in(program.body[k].children())
+              if isinstance(n, StagingSlot)}  # copies in; a host output keeps its slots
     events = {f"{s}_free" for s in stages}
 
     def staged(n: Node) -> bool:
@@ -1464,7 +1464,7 @@ def stage_in_ring(program: HostProgram) -> HostProgram:
         for n in loop.body:
             if staged(n):
                 continue
-            if isinstance(n, StagingSlot):
+            if isinstance(n, StagingSlot) and n.stage in stages:
                 stage = infos[n.stage]
                 out = TensorInfo(n.out, stage.dtype, stage.shape[1:], stage.device)
                 body.append(RingSlot(out, n.like, ring_slots))

@@ -1,6 +1,6 @@
 """A program's pool of worker streams is bounded: ``lower`` refuses pool_size above
-MAX_POOL_SIZE, and the runtime's lease refuses a stream past that pool and its copy
-stream (the two limits are one number)."""
+MAX_POOL_SIZE, and the runtime's lease refuses a stream past that pool, its copy stream
+and second set, and the ring stream (the two limits are one number)."""
 
 import ctypes
 import re
@@ -81,11 +81,20 @@ def test_runtime_limit_is_the_compiled_constant(harness):
     assert harness.rtcheck_max_workers() == MAX_POOL_SIZE
 
 
-@pytest.mark.parametrize("k", [2 * MAX_POOL_SIZE, 10**6, -1])
+def test_the_ring_stream_is_the_position_after_both_sets():
+    from codegen import hostir
+
+    header = (include_dir() / "codegen" / "stream.h").read_text()
+    assert "inline constexpr int64_t kRingStream = 2 * kMaxWorkers;" in header
+    assert hostir.RING_POSITION == 2 * MAX_POOL_SIZE
+
+
+@pytest.mark.parametrize("k", [2 * MAX_POOL_SIZE + 1, 10**6, -1])
 def test_lease_refuses_streams_past_its_two_sets_of_workers(harness, k):
     out = ctypes.create_string_buffer(512)
     assert harness.rtcheck_worker_refused(k, out, len(out)) == 1
     assert out.value.decode() == (
         f"codegen: worker stream {k} is out of range: a lease holds streams 0 to "
         f"{2 * MAX_POOL_SIZE - 1} ({MAX_POOL_SIZE} workers and a second set, or the copy "
-        f"stream; lower() refuses pool_size > {MAX_POOL_SIZE})")
+        f"stream; lower() refuses pool_size > {MAX_POOL_SIZE}) and the ring stream, "
+        f"{2 * MAX_POOL_SIZE}")
