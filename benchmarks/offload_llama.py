@@ -11,8 +11,10 @@ changes a model in place):
 
 - codegen: ``codegen.nn.offload(model, slices=8, filter=<decoder Linears>)`` with its
   default settings (one compiled program per Linear call, streaming its weight in slices
-  under its GEMMs);
-- codegen_noprefetch: the same with ``prefetch=False`` (only where offload() takes it);
+  under its GEMMs; with offload()'s prefetch, the next Linear's copies queue behind this
+  one's, across forwards too);
+- codegen_noprefetch: the same with ``prefetch=False`` (each call stages its own slices;
+  only where offload() takes ``prefetch``);
 - accelerate: ``accelerate.cpu_offload`` of each decoder layer (its hooks copy each weight
   from pageable host memory when the layer runs), where accelerate is installed;
 - prefetch: a hand-written layer prefetch in PyTorch (``LayerPrefetch``): two GPU buffer
@@ -46,7 +48,6 @@ ratio_accelerate, gpu_mib, host_mib) to --out and prints the table. Needs a CUDA
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import datetime
 import functools
@@ -57,6 +58,7 @@ import json
 import math
 import statistics
 import sys
+import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -317,6 +319,7 @@ class LayerPrefetch:
         return sum(s.numel() * s.element_size() for s in self.sets)
 
     def _before(self, layer: int, module: torch.nn.Module, args: Any) -> None:
+        """Forward pre-hook of decoder layer ``layer``: its weights, the next layer's copy."""
         for a in self.schedule.before(layer):
             if isinstance(a, Copy):
                 self._copy(a)
@@ -324,25 +327,31 @@ class LayerPrefetch:
                 self._use(a)
 
     def _after(self, layer: int, module: torch.nn.Module, args: Any, out: Any) -> None:
+        """Forward hook of decoder layer ``layer``: records the release of its set."""
         for a in self.schedule.after(layer):
             if self.side is not None:
                 self.released[a.buf].record(torch.cuda.current_stream())
 
     def _copy(self, a: Copy) -> None:
-        if self.side is not None:
-            if a.urgent:
-                self.side.wait_stream(torch.cuda.current_stream())
-            else:
-                self.side.wait_event(self.released[a.buf])
-        on_side = torch.cuda.stream(self.side) if self.side is not None else \
-            contextlib.nullcontext()
-        with on_side:
-            for dst, src in zip(self.views[a.buf][a.layer], self.host[a.layer]):
-                dst.copy_(src, non_blocking=self.side is not None)
-        if self.side is not None:
-            self.copied[a.buf].record(self.side)
+        """Queues layer ``a.layer``'s weights into set ``a.buf`` on the side stream (on the
+        CPU: copies them)."""
+        dst, src = self.views[a.buf][a.layer], self.host[a.layer]
+        if self.side is None:
+            for d, h in zip(dst, src):
+                d.copy_(h)
+            return
+        if a.urgent:  # the layer about to run waits anyway; layers queued may read the set
+            self.side.wait_stream(torch.cuda.current_stream())
+        else:
+            self.side.wait_event(self.released[a.buf])
+        with torch.cuda.stream(self.side):
+            for d, h in zip(dst, src):
+                d.copy_(h, non_blocking=True)
+        self.copied[a.buf].record(self.side)
 
     def _use(self, a: Use) -> None:
+        """Makes the compute stream wait for set ``a.buf``'s copy and points layer
+        ``a.layer``'s Linears at their views in it."""
         if self.side is not None:
             torch.cuda.current_stream().wait_event(self.copied[a.buf])
         for m, v in zip(self.linears[a.layer], self.views[a.buf][a.layer]):
@@ -402,6 +411,7 @@ def make(name: str, config: Any, shapes: list[list[tuple[int, ...]]]) -> Variant
         dev = [torch.empty_like(w, device="cuda") for w in host]
 
         def copies() -> None:
+            """Every offloaded weight copied to its GPU buffer, back to back."""
             for w, d in zip(host, dev):
                 d.copy_(w, non_blocking=True)
         return Variant(name, call=copies)
@@ -502,8 +512,9 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 
 def rounds_for(tokens: int, rounds: int) -> int:
-    """Rounds of a step: fewer for long prefills (each round takes longer), at least 2."""
-    return max(2, rounds if tokens <= DECODE_PROMPT else rounds - 2)
+    """Rounds of a step: 2 fewer for prefills over 512 tokens (each round takes longer),
+    at least 2."""
+    return max(2, rounds if tokens <= 512 else rounds - 2)
 
 
 def steps(tokens: Sequence[int], variants: Sequence[str]) -> list[tuple[int, list[str]]]:
@@ -581,7 +592,12 @@ def set_up_all(variants: Sequence[str], config: Any, shapes: list[list[tuple[int
     built: dict[str, Variant] = {}
     reference = None
     for name in sorted(variants, key=lambda v: v != "gpu"):
-        v, logits = set_up(name, config, shapes, prompt, reference)
+        try:
+            v, logits = set_up(name, config, shapes, prompt, reference)
+        except Exception as e:  # the other variants' rows are still worth the GPU time
+            traceback.print_exc()
+            notes.append(f"FAILED: {name} could not be set up: {type(e).__name__}: {e}")
+            continue
         built[name] = v
         if name == "gpu":
             reference = logits
@@ -614,6 +630,7 @@ def measure(built: dict[str, Variant], tokens: int, names: Sequence[str], rounds
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Runs the benchmark (or, with --dry-run, says what it would run); the exit status."""
     args = parse(argv)
     try:
         import transformers
@@ -632,26 +649,30 @@ def main(argv: list[str] | None = None) -> int:
             kind = (f"decode (1 token, {DECODE_PROMPT}-token KV cache)" if tokens == 1
                     else f"prefill {tokens}")
             print(f"{kind}: {rounds_for(tokens, args.rounds)} rounds of {', '.join(names)}")
-        print(plan_line)
-        print("\n".join(notes))
+        for line in [plan_line, *notes]:
+            print(line)
         return 0
     if not torch.cuda.is_available():
         print("offload_llama: needs a CUDA GPU (--dry-run prints what would run)",
               file=sys.stderr)
         return 1
 
-    print("\n".join(notes))
+    for note in notes:
+        print(note)
     torch.manual_seed(SEED + 1)
     prompt = torch.randint(0, config.vocab_size, (1, DECODE_PROMPT), device="cuda")
     token = torch.randint(0, config.vocab_size, (1, 1), device="cuda")
     built = set_up_all(variants, config, shapes, prompt, notes)
     rows = []
-    for tokens, names in steps(args.tokens, variants):
-        rows += measure(built, tokens, names, rounds_for(tokens, args.rounds), prompt, token,
-                        config.vocab_size)
-    print(table(rows))
-    print(plan_line)
-    print("\n".join(notes))
+    for tokens, names in steps(args.tokens, [v for v in variants if v in built]):
+        try:
+            rows += measure(built, tokens, names, rounds_for(tokens, args.rounds), prompt,
+                            token, config.vocab_size)
+        except Exception as e:  # keep the other steps' rows
+            traceback.print_exc()
+            notes.append(f"FAILED: the {tokens}-token step: {type(e).__name__}: {e}")
+    for line in [table(rows), plan_line, *notes]:
+        print(line)
     reports = {v: codegen.nn.report(built[v].model).as_dict()
                for v in ("codegen", "codegen_noprefetch") if v in built}
     args.out.mkdir(parents=True, exist_ok=True)
@@ -664,7 +685,7 @@ def main(argv: list[str] | None = None) -> int:
         "prefetch_buffer_bytes": SETS * plan.numel * 2,
         "logits_error_vs_gpu": {v: b.error for v, b in built.items() if b.error is not None},
         "notes": notes, "rows": rows, "last_reports": reports}, indent=1) + "\n")
-    return 0
+    return 1 if any(n.startswith("FAILED") for n in notes) else 0
 
 
 if __name__ == "__main__":
