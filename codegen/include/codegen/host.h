@@ -251,6 +251,13 @@ class HostTensors {
   }
   void keep(const Buffer& b) { tensors_.push_back(b.tensor); }  // a pinned output
 
+  // The host has waited for the caller's stream after the join (the host IR's final
+  // StreamSynchronize of a program with host outputs): nothing queued reads or writes the
+  // tensors any more, so they are not kept. A host output then leaves the op with one
+  // reference, and autograd takes it as a gradient as it is (a second reference would
+  // make AccumulateGrad copy it on the CPU).
+  void synchronized() { tensors_.clear(); }
+
   ~HostTensors() {
     if (tensors_.empty()) return;
     cudaStream_t caller = nullptr;
