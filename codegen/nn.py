@@ -141,6 +141,14 @@ class _State:
         self.pending = False
         self.last: Report | None = None
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> _State:
+        # A copy would share the hooks (they call this state) and hold its weights in a
+        # second arena that no program of the copy knows; refuse it by name instead.
+        raise ValueError("codegen.nn.offload: an offloaded model cannot be deep-copied (its "
+                         "Linears share one pinned arena and one set of programs, and its "
+                         "hooks are this model's); deep-copy the model before offloading it, "
+                         "and offload the copy")
+
     def fusion(self, dtype: torch.dtype, bias: bool) -> ir.Fusion:
         name = f"offload_linear_{ir.DTYPE_NAMES[dtype]}{'_bias' if bias else ''}_s{self.slices}"
         with ir.Fusion(name) as fusion:

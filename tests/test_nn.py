@@ -125,3 +125,10 @@ def test_linear_subclasses_attention_and_tied_linears_stay():
     with pytest.raises(ValueError, match="a.weight is shared with another module"):
         codegen.nn.offload(nn.ModuleDict({"a": a, "b": b}), device="cpu",
                            filter=lambda name, m: name == "a")
+
+
+def test_an_offloaded_model_refuses_a_deep_copy_by_name():
+    model = codegen.nn.offload(nn.Sequential(nn.Linear(8, 4)), slices=2, device="cpu")
+    with pytest.raises(ValueError, match=r"codegen.nn.offload: an offloaded model cannot be "
+                                         r"deep-copied .* deep-copy the model before"):
+        copy.deepcopy(model)
