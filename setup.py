@@ -3,7 +3,9 @@
 from setuptools import setup
 
 setup(
-    name="codegen",
+    # The distribution's name; the import name is `codegen` ("codegen" on the package index
+    # is an unrelated project).
+    name="codegen-streams",
     version="0.1.0",
     description="Compile stream-parallel matmul schedules into C++ torch ops calling cuBLAS",
     python_requires=">=3.10",
