@@ -44,16 +44,10 @@ from codegen import examples
 HIDDEN, INTER = 4096, 14336
 
 
-def host_linear(m_name: str, slices: int, name: str, staging: str = "slots") -> cg.CompiledOp:
+def host_linear(slices: int, name: str, staging: str = "slots") -> cg.CompiledOp:
     """One Linear whose weight [n, k] is in host memory, streamed by row blocks."""
-    with cg.Fusion(name) as fusion:
-        x = cg.input([m_name, "k"], torch.bfloat16)
-        w = cg.input(["n", "k"], torch.bfloat16, device="cpu")
-        out = cg.linear(x, w)
-        cg.output(out)
-    out.outer_split(1, slices)
-    out.axis(1).parallelize(cg.ParallelType.Stream)
-    return cg.compile(fusion, copy_stream=True, staging=staging)
+    return cg.compile(examples.offload_linear(torch.bfloat16, slices, name=name),
+                      copy_stream=True, staging=staging)
 
 
 class Prefetch:
@@ -111,8 +105,8 @@ def rows_for(tokens: int, slices: list[int], rounds: int) -> list[dict[str, Any]
                 raise SystemExit(f"llama_mlp S={s} {options}: relative error {err:.2e}")
             variants[f"op S={s}{suffix}"] = bind(op, x, *weights)
         for staging in ("slots", "ring"):
-            up = host_linear("m", s, f"mlp_offload_up_s{s}", staging)
-            down = host_linear("m", s, f"mlp_offload_down_s{s}", staging)
+            up = host_linear(s, f"mlp_offload_up_s{s}", staging)
+            down = host_linear(s, f"mlp_offload_down_s{s}", staging)
 
             def three(up: cg.CompiledOp = up, down: cg.CompiledOp = down) -> torch.Tensor:
                 return down(F.silu(up(x, weights[0])) * up(x, weights[1]), weights[2])

@@ -139,6 +139,23 @@ def offload_activations(dtype: torch.dtype = torch.bfloat16, slices: int = 8,
     return _split_matmul(name, dtype, 0, slices, x_device="cpu", out_device="cpu")
 
 
+def offload_linear(dtype: torch.dtype = torch.bfloat16, slices: int = 8, bias: bool = False,
+                   name: str = "offload_linear") -> Fusion:
+    """``F.linear(x, w, bias)``: x [m, k] on the GPU, w [n, k] (and bias [n]) in host
+    memory, streamed in by row blocks of ``slices`` (the output features); every extent
+    symbolic, so one program serves every Linear of a dtype (``codegen.nn.offload``)."""
+    _check_positive(name, slices=slices)
+    with Fusion(name) as fusion:
+        x = ir.input(["m", "k"], dtype, name="x")
+        w = ir.input(["n", "k"], dtype, name="w", device="cpu")
+        b = ir.input(["n"], dtype, name="bias", device="cpu") if bias else None
+        out = ir.linear(x, w, b)
+        ir.output(out)
+    out.outer_split(1, slices)
+    out.axis(1).parallelize(Stream)
+    return fusion
+
+
 def _weights(what: str, weights: str) -> str:
     if weights not in ("cuda", "cpu"):
         raise ScheduleError(f"{what}: weights must be \"cuda\" (GPU memory) or \"cpu\" (host "

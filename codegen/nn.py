@@ -46,7 +46,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import ir
+from . import examples, ir
 from .builder import CompiledOp, compile
 from .errors import ScheduleError
 from .evaluator import evaluate
@@ -151,15 +151,7 @@ class _State:
 
     def fusion(self, dtype: torch.dtype, bias: bool) -> ir.Fusion:
         name = f"offload_linear_{ir.DTYPE_NAMES[dtype]}{'_bias' if bias else ''}_s{self.slices}"
-        with ir.Fusion(name) as fusion:
-            x = ir.input(["m", "k"], dtype, name="x")
-            w = ir.input(["n", "k"], dtype, name="w", device="cpu")
-            b = ir.input(["n"], dtype, name="bias", device="cpu") if bias else None
-            out = ir.linear(x, w, b)
-            ir.output(out)
-        out.outer_split(1, self.slices)
-        out.axis(1).parallelize(ir.ParallelType.Stream)
-        return fusion
+        return examples.offload_linear(dtype, self.slices, bias, name=name)
 
     def run(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
         key = (w.dtype, b is not None)

@@ -13,15 +13,7 @@ pytestmark = pytest.mark.gpu
 
 
 def host_linear(dtype, slices, name, bias=False):
-    with cg.Fusion(name) as fusion:
-        x = cg.input(["m", "k"], dtype, name="x")
-        w = cg.input(["n", "k"], dtype, name="w", device="cpu")
-        b = cg.input(["n"], dtype, name="bias", device="cpu") if bias else None
-        out = cg.linear(x, w, b)
-        cg.output(out)
-    out.outer_split(1, slices)
-    out.axis(1).parallelize(cg.ParallelType.Stream)
-    return fusion
+    return examples.offload_linear(dtype, slices, bias, name=name)
 
 
 def ints(*shape, device="cuda", pin=False):
