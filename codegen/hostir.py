@@ -1434,10 +1434,11 @@ def stage_in_ring(program: HostProgram) -> HostProgram:
                Matmul(T0, T1_s, ...); ReleaseRingSlot(T1_s)
     The slot's event moves into the ring (recorded by ``ReleaseRingSlot`` after the last
     reader, waited for by the ``RingSlot`` that reuses the bytes, in any later call).
-    Safe without the fork because a host input is complete when the op is called: the
-    caller's stream never writes host memory (a host output is a program's own
-    allocation, and stays on the worker streams). ``insert_fork_join`` then joins the ring
-    stream but does not fork it.
+    Without the fork, nothing orders the copies after work queued on the caller's stream:
+    a ring program's host inputs must be complete when it is called (written by the host,
+    or by a copy the host has waited for; codegen's own host outputs are complete when
+    their op returns). ``insert_fork_join`` then joins the ring stream but does not fork
+    it.
     """
     if program.staging != "ring":
         return program

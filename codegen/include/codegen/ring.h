@@ -8,8 +8,9 @@
 // the start when they do not fit) and the ring stream waits for the events of the ranges
 // it overlaps: a range is reused as soon as the one GEMM that read it has finished, not
 // when the call that read it has joined. The ring stream is never forked from the
-// caller's stream (its copies read host memory only), so the copies of the next call
-// queue right behind this call's and run under its last GEMMs.
+// caller's stream (its copies read only host inputs, which must be complete when the op
+// is called: hostir.stage_in_ring), so the copies of the next call queue right behind
+// this call's and run under its last GEMMs.
 //
 // Growth: a slice asks for room for `slots` slices of its size; a ring smaller than that
 // (or one whose next bytes are still held in this call, which `slots` avoids) is replaced
