@@ -1416,6 +1416,23 @@ def hoist_staging(program: HostProgram) -> HostProgram:
     return program.replace(body=body)
 
 
+def _reads_slot(n: Node, slot: str, body: list[Node]) -> bool:
+    """Whether ``n`` (a node of ``body``, with what it nests) uses ``slot`` or a view of it,
+    other than the RingSlot that takes it and the Copy that fills it."""
+    if (isinstance(n, RingSlot) and n.out.name == slot) or (isinstance(n, Copy) and n.out == slot):
+        return False
+    aliases = {slot}
+    for m in body:  # views of the slot defined in the loop body, in order
+        if m.defines() and m.uses() and m.uses()[0] in aliases and \
+                not isinstance(m, (RingSlot, Compute, Copy)):
+            aliases.update(m.defines())
+
+    def uses(m: Node) -> set[str]:
+        return set(m.uses()).union(*(uses(c) for c in m.children()))
+
+    return bool(uses(n) & aliases) and not (set(n.defines()) & aliases)
+
+
 def stage_in_ring(program: HostProgram) -> HostProgram:
     """With ``staging="ring"``, the copy stream's slices land in the thread's staging ring
     instead of per-call staging, and its copies are not ordered after the caller's stream:
@@ -1475,8 +1492,7 @@ def stage_in_ring(program: HostProgram) -> HostProgram:
             else:
                 body.append(n)
         for slot in slots:
-            readers = [k for k, n in enumerate(body) if slot in n.uses()
-                       and not isinstance(n, (RingSlot, Copy))]
+            readers = [k for k, n in enumerate(body) if _reads_slot(n, slot, body)]
             if not readers:
                 raise InternalError(f"{slot}: nothing reads the ring slot\n{program}")
             body.insert(readers[-1] + 1, ReleaseRingSlot(slot))

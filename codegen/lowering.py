@@ -47,7 +47,10 @@ def lower(fusion: Fusion, *, pool_size: int = 4, gemm_sm_count: int = 0,
     those copies in the thread's staging ring instead of per-call staging, so that they
     run ahead of the caller's stream, under the previous call's GEMMs
     (``hostir.stage_in_ring``): for ops called one after another on host-resident weights,
-    eagerly (a program staged in the ring refuses CUDA graph capture)."""
+    eagerly (a program staged in the ring refuses CUDA graph capture). Its host inputs
+    must be complete when it is called: nothing orders its copies after work queued on the
+    caller's stream (a pinned tensor filled by a non-blocking copy from the GPU must be
+    synchronized first)."""
     if not isinstance(fusion, Fusion):
         raise ScheduleError(f"lower expects a cg.Fusion, got {type(fusion).__name__}")
     if isinstance(pool_size, bool) or not isinstance(pool_size, int) or pool_size < 1:

@@ -164,7 +164,9 @@ class _State:
             return evaluate(self.programs[key], args)[0]
         # The ring's copies run ahead of the caller's stream, across calls: eagerly only.
         # A graph captures the program with per-call staging slots instead.
-        ring = self.prefetch and not torch.cuda.is_current_stream_capturing()
+        with torch.cuda.device(x.device):  # the stream of the device the op runs on
+            capturing = torch.cuda.is_current_stream_capturing()
+        ring = self.prefetch and not capturing
         staging = "ring" if ring else "slots"
         if (*key, staging) not in self.ops:
             self.ops[(*key, staging)] = compile(self.fusion(*key), pool_size=self.pool_size,

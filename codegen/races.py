@@ -137,7 +137,7 @@ class _Checker(Interpreter):
         self.clocks: dict[Key, Clock] = {CALLER: {CALLER: 1}, HOST: {HOST: 1}}
         self.found: dict[tuple[str, str, str, str], Race] = {}
         self.communications = 0
-        self.released: set[str] = set()  # ring slots released, until taken again
+        self.released: set[int] = set()  # buffers of ring slots released
         self.copier = program.pool_size if program.copy_stream else None  # CopyStream
 
     def stream_str(self, key: Key) -> str:
@@ -195,10 +195,11 @@ class _Checker(Interpreter):
         """Records ``node`` reading ``reads`` and writing ``writes`` on stream ``key``
         (default: the current one), checking each element against its history."""
         key = self.streams.current if key is None else key
-        for name in [*reads, *writes]:
-            if name in self.released:  # its bytes may hold the next slice already
-                self.report("use after release", self.ids(name)[0], None,
-                            f"{node} after {name}'s ReleaseRingSlot")
+        for name in [*reads, *writes]:  # a released slot's bytes may hold the next slice
+            gone = [e for e in self.ids(name) if e >> _ID_BITS in self.released]
+            if gone:
+                self.report("use after release", gone[0], None,
+                            f"{node} after the ReleaseRingSlot of what {name} views")
         self.join(key, HOST)  # queued now, so after whatever the host has waited for
         clock = self.clock(key)
         a = Access(key, clock[key], self.where(node, key))
@@ -259,14 +260,14 @@ class _Checker(Interpreter):
         key = self.streams.current
         born = Access(key, self.clock(key)[key], self.where(n, key))
         self.clock(key)[key] += 1
-        self.released.discard(n.out.name)
         self.buffer(n.out.name, like.shape, "cuda", key, born=born)
 
     def ReleaseRingSlot(self, n: hir.ReleaseRingSlot) -> None:
         key = self.streams.current
         self.join(key, HOST)
-        self.check_free(self.allocated.pop(n.slot), str(n), key)
-        self.released.add(n.slot)
+        index = self.allocated.pop(n.slot)
+        self.check_free(index, str(n), key)
+        self.released.add(index)
 
     def Synchronize(self, n: hir.Synchronize) -> None:
         self.join(self.streams.current, self.stream_key(n.stream))

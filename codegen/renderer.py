@@ -392,9 +392,9 @@ class _Statements:
                 "copy_kind": _COPY_KINDS[route], "range": self.range(n)}
 
     def StreamSynchronize(self, n: hir.StreamSynchronize) -> dict[str, Any]:
-        # The caller's stream, outside loops: every stream has joined it (the host IR's
-        # order, which codegen.races checks), so the host tensors are done with.
-        done = n.stream == hir.MAIN_STREAM and not self.loops
+        # The caller's stream, the program's last node: every stream has joined it (the host
+        # IR's order, which codegen.races checks), so the host tensors are done with.
+        done = n.stream == hir.MAIN_STREAM and not self.loops and n is self.program.body[-1]
         return {"stream": _stream(n.stream), "range": self.range(n), "host_done": done}
 
     def Deallocate(self, n: hir.Deallocate) -> dict[str, Any]:

@@ -167,3 +167,46 @@ def test_a_backward_of_a_ring_program_stages_in_the_ring_and_is_ordered():
 def test_bad_staging_is_a_schedule_error(bad):
     with pytest.raises(cg.ScheduleError, match=r"lower: staging must be one of 'slots', 'ring'"):
         cg.lower(host_linear(), staging=bad)
+
+
+def _release_between_view_and_reader(program: hir.HostProgram) -> hir.HostProgram:
+    """``program`` with the GEMM reading ``w_v``, a view of the ring slot ``w_s`` taken
+    before the slot's release, and the release moved between the view and the GEMM."""
+    loop = next(n for n in program.body if isinstance(n, hir.ForLoop)
+                and n.parallel is cg.ParallelType.Stream)
+    body = list(loop.body)
+    release = next(n for n in body if isinstance(n, hir.ReleaseRingSlot))
+    body.remove(release)
+    k = next(k for k, n in enumerate(body) if isinstance(n, hir.Compute))
+    shard = next(n for n in body if isinstance(n, hir.ShardByStream) and n.tensor == "w")
+    view = dataclasses.replace(shard, out="w_v", tensor="w_s", index="z", chunk=shard.chunk)
+    gemm = body[k].renamed({"w_s": "w_v"})
+    inner = hir.ForLoop("z", cg.ir.Const(0), cg.ir.Const(1), [view, release, gemm])
+    body[k] = inner
+    return program.replace(body=[dataclasses.replace(n, body=body) if n is loop else n
+                                 for n in program.body])
+
+
+def test_a_use_through_a_view_after_the_release_is_caught():
+    program = cg.lower(host_linear(torch.float32, slices=4), staging="ring")
+    found = races.find_races(_release_between_view_and_reader(program),
+                             [ints(5, 16), ints(4, 16)])
+    assert [r.kind for r in found] == ["use after release"], found
+
+
+def test_the_release_follows_readers_of_views_and_nested_loops():
+    """The pass releases a slot after the last node that reads it or a view of it, a loop
+    nesting such a reader included, not after the view's definition."""
+    program = cg.lower(host_linear(torch.float32, slices=4), staging="ring")
+    loop = next(n for n in _release_between_view_and_reader(program).body
+                if isinstance(n, hir.ForLoop) and n.parallel is cg.ParallelType.Stream)
+    body = [n for n in loop.body if not isinstance(n, hir.ForLoop)]
+    inner = next(n for n in loop.body if isinstance(n, hir.ForLoop))
+    view = inner.body[0]
+    body.insert(len(body), view)
+    nested = dataclasses.replace(inner, body=[inner.body[2]])
+    body.append(nested)
+    assert hir._reads_slot(nested, "w_s", body)
+    assert not hir._reads_slot(view, "w_s", body)  # defines the view, reads nothing
+    assert not any(hir._reads_slot(n, "w_s", body) for n in body
+                   if isinstance(n, (hir.RingSlot, hir.Copy)))

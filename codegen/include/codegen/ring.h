@@ -1,10 +1,12 @@
 // codegen runtime: the staging ring, the GPU memory that a program lowered with
 // staging="ring" copies its host slices into (the host IR's RingSlot, ReleaseRingSlot).
 //
-// One ring per thread and device, shared by every such program the thread calls: a block
-// of GPU memory from PyTorch's caching allocator, allocated on the lease's ring stream,
-// and the ranges of it that slices took, oldest first, each with the event its last
-// reader recorded. A slice takes the next bytes after the previous slice (wrapping to
+// One ring per lease (a thread's streams on a device, stream.h), shared by every such
+// program the thread calls: a block of GPU memory from PyTorch's caching allocator,
+// allocated on the lease's ring stream, and the ranges of it that slices took, oldest
+// first, each with the event its last reader recorded. It goes with the lease: a thread
+// that takes a lease given back at another thread's exit takes its ring too, so its copies
+// wait for the events of the ranges the other thread's GEMMs read. A slice takes the next bytes after the previous slice (wrapping to
 // the start when they do not fit) and the ring stream waits for the events of the ranges
 // it overlaps: a range is reused as soon as the one GEMM that read it has finished, not
 // when the call that read it has joined. The ring stream is never forked from the
@@ -40,48 +42,6 @@
 
 namespace codegen_rt {
 
-// Bytes [begin, end) of the ring, held by a slice until its reader's event fires.
-struct RingRange {
-  int64_t begin = 0, end = 0;
-  cudaEvent_t freed = nullptr;  // recorded by release(); the next user of the bytes waits
-  bool released = false;
-};
-
-struct Ring {
-  Buffer buffer;  // float32 [capacity / 4], 256-byte aligned (the caching allocator's)
-  int64_t capacity = 0;  // bytes
-  int64_t head = 0;      // where the next slice starts, if it fits before the end
-  std::deque<RingRange> ranges;   // taken, oldest first
-  std::vector<cudaEvent_t> spare;  // events of ranges whose bytes were taken again
-  std::vector<Buffer> retired;     // replaced blocks that ranges of this call still read
-
-  cudaEvent_t event() {
-    if (!spare.empty()) {
-      cudaEvent_t e = spare.back();
-      spare.pop_back();
-      return e;
-    }
-    cudaEvent_t e = nullptr;
-    check_cuda(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "codegen",
-               "creating an event");
-    return e;
-  }
-};
-
-inline namespace CODEGEN_RT_ABI {
-
-// This thread's ring on `device` (one object across every program library: see
-// thread_lease in stream.h). Never freed: it lives as long as the thread, as the lease.
-__attribute__((visibility("default"))) inline Ring& thread_ring(int32_t device) {
-  thread_local std::vector<std::unique_ptr<Ring>> rings;
-  if (static_cast<size_t>(device) >= rings.size()) rings.resize(device + 1);
-  auto& ring = rings[static_cast<size_t>(device)];
-  if (!ring) ring = std::make_unique<Ring>();
-  return *ring;
-}
-
-}  // namespace CODEGEN_RT_ABI
-
 // One call's use of the ring. Declared before the call's `Streams`, so that its
 // destructor runs after their join, on every exit: a range taken but not released (an
 // exception between a copy and its GEMM) is released on the caller's stream, and a
@@ -89,7 +49,7 @@ __attribute__((visibility("default"))) inline Ring& thread_ring(int32_t device) 
 class RingCall {
  public:
   RingCall(int32_t device, const char* op)
-      : device_(device), op_(op), ring_(&thread_ring(device)) {
+      : device_(device), op_(op), ring_(&thread_lease(device).ring) {
     CG_CHECK(!capturing(current_stream(device, op), op), op,
              ": this program stages host slices in the thread's staging ring "
              "(staging=\"ring\"), which runs eagerly only: under CUDA graph capture call "
@@ -190,10 +150,10 @@ class RingCall {
       r.retired.push_back(r.buffer);
     }
     r.buffer.reset();  // back to the ring stream's pool, after the waits above
+    r.capacity = r.head = 0;  // an empty ring if the allocation below throws
     const int64_t capacity = ceil_div(bytes, kSlotAlignment) * kSlotAlignment;
     r.buffer = empty({capacity / 4}, DType::Float32, device_, op_);
     r.capacity = capacity;
-    r.head = 0;
   }
 
   cudaStream_t current_stream_noexcept() const {

@@ -14,7 +14,8 @@
 // of a loop whose copies run under the loop before it; position kRingStream the staging
 // ring's, ring.h), each created on first use with one event and,
 // from its first cuBLASLt GEMM, one workspace (gemm_plan.h: 32 MiB by default); plus
-// one event and up to kCallerWorkspaces workspaces for the caller's streams. None of it
+// one event and up to kCallerWorkspaces workspaces for the caller's streams, and the
+// staging ring of the programs lowered with staging="ring" (ring.h). None of it
 // is freed: a lease is given back to the pool when its thread exits and reused whole by
 // the next thread that takes one on that device, so the process keeps, per device, at
 // most one lease per thread alive at once, each of at most that size.
@@ -36,12 +37,14 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <deque>
 #include <memory>
 #include <mutex>
 #include <utility>
 #include <vector>
 
 #include "codegen/check.h"
+#include "codegen/tensor.h"
 
 namespace codegen_rt {
 
@@ -76,6 +79,35 @@ inline constexpr int64_t kMaxWorkers = 32;
 // the host IR's RingStream, hostir.RING_POSITION): after every other stream of the lease.
 inline constexpr int64_t kRingStream = 2 * kMaxWorkers;
 
+// Bytes [begin, end) of the ring, held by a slice until its reader's event fires.
+struct RingRange {
+  int64_t begin = 0, end = 0;
+  cudaEvent_t freed = nullptr;  // recorded by release(); the next user of the bytes waits
+  bool released = false;
+};
+
+// The staging ring of a lease (ring.h): its memory, the ranges slices hold, their events.
+struct Ring {
+  Buffer buffer;  // float32 [capacity / 4], 256-byte aligned (the caching allocator's)
+  int64_t capacity = 0;  // bytes
+  int64_t head = 0;      // where the next slice starts, if it fits before the end
+  std::deque<RingRange> ranges;   // taken, oldest first
+  std::vector<cudaEvent_t> spare;  // events of ranges whose bytes were taken again
+  std::vector<Buffer> retired;     // replaced blocks that ranges of this call still read
+
+  cudaEvent_t event() {
+    if (!spare.empty()) {
+      cudaEvent_t e = spare.back();
+      spare.pop_back();
+      return e;
+    }
+    cudaEvent_t e = nullptr;
+    check_cuda(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "codegen",
+               "creating an event");
+    return e;
+  }
+};
+
 // The streams one thread uses on one device.
 struct Lease {
   int32_t device = 0;
@@ -103,6 +135,9 @@ struct Lease {
     return events[k];
   }
   std::vector<std::pair<cudaStream_t, std::unique_ptr<Workspace>>> caller_workspaces;
+  // The staging ring (ring.h) of the programs lowered with staging="ring": its block of
+  // GPU memory, allocated on stream kRingStream, and the events of its ranges.
+  Ring ring;
 
   Workspace* caller_workspace(cudaStream_t stream) {
     for (auto& [handle, workspace] : caller_workspaces) {
