@@ -425,8 +425,9 @@ class RingSlot(Node):
     earlier one of any program that stages in the ring. The ring grows to hold at least
     ``slots`` such slices (the loop's streams, and one more that the next copy fills
     while they compute); it holds nothing from one call to the next but those events.
-    (A loop that copies two slices an iteration then runs its copies about two
-    iterations ahead of its GEMMs, enough where the copies are the slower part.)
+    (``slots`` counts slices, not iterations: a loop that copies two slices an iteration
+    runs its copies about half as many iterations ahead of its GEMMs, enough where the
+    copies are the slower part.)
 
     ``out.shape`` is the loop's slice shape (a ragged last slice takes its first
     elements, as a ``StagingSlot`` does)."""
