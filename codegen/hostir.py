@@ -80,8 +80,8 @@ RING_POSITION = 64
 @dataclasses.dataclass(frozen=True)
 class RingStream:
     """The stream that queues the copies into the thread's staging ring
-    (``lower(..., staging="ring")``, see ``stage_in_ring``). One per thread and device,
-    shared by every program that stages in the ring, and never forked from the caller's
+    (``lower(..., staging="ring")``, see ``stage_in_ring``). One per thread and device
+    (the lease's), shared by every program that stages in the ring, and never forked from the caller's
     stream: its copies queue behind the previous call's, and run under that call's last
     GEMMs."""
 
@@ -831,7 +831,8 @@ def insert_fork_join(program: HostProgram) -> HostProgram:
     (``queue_copies_in``) is forked with the first loop that queues copies on it and
     joined with the last (``hoist_staging``), so it runs ahead across loops. The ring
     stream (``stage_in_ring``) is joined the same way but never forked: its copies read
-    host memory only, into ring bytes whose last readers it waits for by event.
+    only host inputs (complete when the op is called), into ring bytes whose last readers
+    it waits for by event.
     """
     pool = program.pool_size
     used = False
