@@ -81,9 +81,9 @@ RING_POSITION = 64
 class RingStream:
     """The stream that queues the copies into the thread's staging ring
     (``lower(..., staging="ring")``, see ``stage_in_ring``). One per thread and device
-    (the lease's), shared by every program that stages in the ring, and never forked from the caller's
-    stream: its copies queue behind the previous call's, and run under that call's last
-    GEMMs."""
+    (the lease's), shared by every program that stages in the ring, and never forked from
+    the caller's stream: its copies queue behind the previous call's, and run under that
+    call's last GEMMs."""
 
     def __str__(self) -> str:
         return "RingStream"
