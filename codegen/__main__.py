@@ -53,14 +53,14 @@ def stale_goldens(out: Path) -> str:
     return "".join(diffs)
 
 
-def show(name: str, stage: str, copy_stream: bool = False) -> str:
+def show(name: str, stage: str, copy_stream: bool = False, staging: str = "slots") -> str:
     from . import lowering
     from .renderer import render
 
     fusion = example(name).make()
     if stage == "ir":
         return f"{fusion}\n\n# after the fusion passes\n{lowering.schedule(fusion)}"
-    program = lowering.lower(fusion, copy_stream=copy_stream)
+    program = lowering.lower(fusion, copy_stream=copy_stream, staging=staging)
     return str(program) if stage == "hostir" else render(program)
 
 
@@ -78,6 +78,9 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--stage", choices=("ir", "hostir", "cpp"), default="hostir")
     s.add_argument("--copy-stream", action="store_true",
                    help="lower with copy_stream=True (host-to-device copies on one stream)")
+    s.add_argument("--staging", choices=("slots", "ring"), default="slots",
+                   help="ring: host slices land in the thread's staging ring, their copies "
+                        "running ahead of the caller's stream and across calls")
     t = sub.add_parser("timeline", help="profile an example on the GPU; draw its streams; "
                                         "for host copies, print how much the GEMMs hid")
     t.add_argument("example", choices=sorted(EXAMPLES))
@@ -92,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
         print("\n".join(f"wrote {args.out / c}" for c in changed) or "csrc_gen is up to date")
         return 0
     if args.command == "show":
-        print(show(args.example, args.stage, args.copy_stream))
+        print(show(args.example, args.stage, args.copy_stream, args.staging))
         return 0
     if args.command == "demo":
         from .demo import run_demo

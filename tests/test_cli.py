@@ -57,3 +57,12 @@ def test_timeline_plot(tmp_path):
     events = [KernelEvent("gemm", s, 100.0 * i, 80.0) for i, s in enumerate([7, 11, 7, 11])]
     out = plot_kernels(events, tmp_path / "t.png", "two streams")
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_show_staged_in_the_ring(capsys):
+    assert main(["show", "stream_weights", "--staging", "ring"]) == 0
+    text = capsys.readouterr().out
+    assert "-> (T2) [staging=ring]:" in text and "    SetCurrentStream(RingStream)" in text
+    assert "T1_s = RingSlot(like=T1_i, slots=5)" in text and "ReleaseRingSlot(T1_s)" in text
+    assert main(["show", "stream_weights", "--staging", "ring", "--stage", "cpp"]) == 0
+    assert "rt::RingCall ring(device, op);" in capsys.readouterr().out
