@@ -441,3 +441,33 @@ def balanced_m(w_host: torch.Tensor, w_dev: torch.Tensor) -> tuple[int, float, f
     warm_up(lambda: torch.matmul(x, w_dev), 0.5)
     gemm = estimate_ms(lambda: torch.matmul(x, w_dev), 5)
     return max(256, round(8192 * copy / gemm / 256) * 256), copy, gemm
+
+
+# ---------------------------------------------------------------------------- the offloaded Llama
+
+
+def llama_config() -> Any:
+    """The 4-layer Llama of ``offload_llama`` and its probes: h 4096, i 14336, 32 heads,
+    8 kv heads."""
+    import transformers
+
+    return transformers.LlamaConfig(
+        vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=4,
+        num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192,
+        tie_word_embeddings=False)
+
+
+def build(config: Any, seed: int = 0, device: str | torch.device = "cuda") -> Any:
+    """A bf16 LlamaForCausalLM with random weights from ``seed``, in eval mode, built on
+    ``device`` (on the GPU initialization takes a moment, on the CPU tens of seconds;
+    the same seed gives the same weights on the same device)."""
+    import transformers
+
+    torch.manual_seed(seed)
+    with torch.device(device):
+        return transformers.LlamaForCausalLM(config).to(torch.bfloat16).eval()
+
+
+def is_decoder_linear(name: str, module: torch.nn.Module) -> bool:
+    """offload()'s filter: the Linears inside the decoder layers (not lm_head)."""
+    return name.startswith("model.layers.")

@@ -70,7 +70,10 @@ from benchmarks.common import (
     RESULTS,
     Block,
     bind,
+    build,
     estimate_ms,
+    is_decoder_linear,
+    llama_config,
     median_ratio,
     peak_mib,
     reps_for,
@@ -89,36 +92,10 @@ ALIGN = 256  # bytes: where each weight starts in a buffer set (as offload()'s a
 # ---------------------------------------------------------------------------- the model
 
 
-def llama_config() -> Any:
-    """The benchmark's Llama config (every variant's model is built from it)."""
-    import transformers
-
-    return transformers.LlamaConfig(
-        vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=4,
-        num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192,
-        tie_word_embeddings=False)
-
-
-def build(config: Any, seed: int = SEED, device: str | torch.device = "cuda") -> Any:
-    """A bf16 LlamaForCausalLM with random weights from ``seed``, in eval mode, built on
-    ``device`` (on the GPU initialization takes a moment, on the CPU tens of seconds;
-    the same seed gives the same weights on the same device)."""
-    import transformers
-
-    torch.manual_seed(seed)
-    with torch.device(device):
-        return transformers.LlamaForCausalLM(config).to(torch.bfloat16).eval()
-
-
 def decoder_linears(model: Any) -> list[list[torch.nn.Linear]]:
     """Each decoder layer's Linears, in module order."""
     return [[m for m in layer.modules() if isinstance(m, torch.nn.Linear)]
             for layer in model.model.layers]
-
-
-def is_decoder_linear(name: str, module: torch.nn.Module) -> bool:
-    """offload()'s filter: the Linears inside the decoder layers (not lm_head)."""
-    return name.startswith("model.layers.")
 
 
 def forward(model: Any, ids: torch.Tensor) -> torch.Tensor:

@@ -287,10 +287,8 @@ class Interpreter(distributed.CommunicationEvaluator):
         self.values[n.out.name] = torch.empty_like(like, device=self.device)
 
     def ReleaseRingSlot(self, n: hir.ReleaseRingSlot) -> None:
-        self.streams.record()
         if self.streams.cuda:  # its block is freed on the ring stream: not before this reader
-            slot = self.values[n.slot]
-            slot.record_stream(self.streams.stream(self.streams.current))
+            self.values[n.slot].record_stream(self.streams.stream(self.streams.current))
 
     def Copy(self, n: hir.Copy) -> None:
         self.values[n.out].copy_(self.values[n.src], non_blocking=True)

@@ -1347,7 +1347,7 @@ def queue_copies_in(program: HostProgram) -> HostProgram:
                 event = Event(f"{slot.stage}_free", slot.slot)
                 created[slot.stage] = CreateEvents(event.name, stream_count(loop, pool))
                 waits.append(WaitEvent(event))
-                readers = [k for k, n in enumerate(rest) if slot.out in n.uses()]
+                readers = [k for k, n in enumerate(rest) if _reads(n, slot.out, rest)]
                 if not readers:
                     raise InternalError(f"{slot}: nothing reads the slot\n{program}")
                 rest.insert(readers[-1] + 1, RecordEvent(event))
@@ -1418,15 +1418,17 @@ def hoist_staging(program: HostProgram) -> HostProgram:
     return program.replace(body=body)
 
 
-def _reads_slot(n: Node, slot: str, body: list[Node]) -> bool:
-    """Whether ``n`` (a node of ``body``, with what it nests) uses ``slot`` or a view of it,
-    other than the RingSlot that takes it and the Copy that fills it."""
-    if (isinstance(n, RingSlot) and n.out.name == slot) or (isinstance(n, Copy) and n.out == slot):
+def _reads(n: Node, slot: str, body: list[Node]) -> bool:
+    """Whether ``n`` (a node of a loop ``body``, with what it nests) uses staging slot
+    ``slot`` or a view of it, other than the node that takes the slot and the Copy that
+    fills it: the rule that places the event after a slot's last reader (RecordEvent in
+    ``queue_copies_in``, ReleaseRingSlot in ``stage_in_ring``)."""
+    if (isinstance(n, (StagingSlot, RingSlot)) and slot in n.defines()) or \
+            (isinstance(n, Copy) and n.out == slot):
         return False
     aliases = {slot}
-    for m in body:  # views of the slot defined in the loop body, in order
-        if m.defines() and m.uses() and m.uses()[0] in aliases and \
-                not isinstance(m, (RingSlot, Compute, Copy)):
+    for m in body:  # views of the slot defined in the loop body (a view's first use)
+        if m.defines() and m.uses() and m.uses()[0] in aliases:
             aliases.update(m.defines())
 
     def uses(m: Node) -> set[str]:
@@ -1494,7 +1496,7 @@ def stage_in_ring(program: HostProgram) -> HostProgram:
             else:
                 body.append(n)
         for slot in slots:
-            readers = [k for k, n in enumerate(body) if _reads_slot(n, slot, body)]
+            readers = [k for k, n in enumerate(body) if _reads(n, slot, body)]
             if not readers:
                 raise InternalError(f"{slot}: nothing reads the ring slot\n{program}")
             body.insert(readers[-1] + 1, ReleaseRingSlot(slot))

@@ -166,8 +166,7 @@ class _State:
         # A graph captures the program with per-call staging slots instead.
         with torch.cuda.device(x.device):  # the stream of the device the op runs on
             capturing = torch.cuda.is_current_stream_capturing()
-        ring = self.prefetch and not capturing
-        staging = "ring" if ring else "slots"
+        staging = "ring" if self.prefetch and not capturing else "slots"
         if (*key, staging) not in self.ops:
             self.ops[(*key, staging)] = compile(self.fusion(*key), pool_size=self.pool_size,
                                                 staging=staging)

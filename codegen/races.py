@@ -195,7 +195,8 @@ class _Checker(Interpreter):
         """Records ``node`` reading ``reads`` and writing ``writes`` on stream ``key``
         (default: the current one), checking each element against its history."""
         key = self.streams.current if key is None else key
-        for name in [*reads, *writes]:  # a released slot's bytes may hold the next slice
+        for name in [*reads, *writes] if self.released else []:
+            # a released ring slot's bytes may hold the next slice already
             gone = [e for e in self.ids(name) if e >> _ID_BITS in self.released]
             if gone:
                 self.report("use after release", gone[0], None,
@@ -241,12 +242,16 @@ class _Checker(Interpreter):
 
     # ------------------------------------------------------------------ nodes
 
+    def born(self, node: hir.Node, stream: Key) -> Access:
+        """The allocation ``node`` on ``stream``, as an access of that stream."""
+        access = Access(stream, self.clock(stream)[stream], self.where(node, stream))
+        self.clock(stream)[stream] += 1
+        return access
+
     def Allocate(self, n: hir.Allocate) -> None:
         shape = [e.evaluate(self.env) for e in n.out.shape]
         stream = HOST if n.out.device == "cpu" else self.streams.current
-        born = Access(stream, self.clock(stream)[stream], self.where(n, stream))
-        self.clock(stream)[stream] += 1
-        self.buffer(n.out.name, shape, n.out.device, stream, born=born)
+        self.buffer(n.out.name, shape, n.out.device, stream, born=self.born(n, stream))
 
     def Deallocate(self, n: hir.Deallocate) -> None:
         self.check_free(self.allocated.pop(n.tensor), str(n))
@@ -256,11 +261,8 @@ class _Checker(Interpreter):
         """Fresh bytes born on the ring stream: the ring's reuse of bytes across slices and
         calls is the runtime's, by the events that ``ReleaseRingSlot`` records, so what
         is checked here is that the release comes after every use of the slot."""
-        like = self.values[n.like]
         key = self.streams.current
-        born = Access(key, self.clock(key)[key], self.where(n, key))
-        self.clock(key)[key] += 1
-        self.buffer(n.out.name, like.shape, "cuda", key, born=born)
+        self.buffer(n.out.name, self.values[n.like].shape, "cuda", key, born=self.born(n, key))
 
     def ReleaseRingSlot(self, n: hir.ReleaseRingSlot) -> None:
         key = self.streams.current

@@ -5,6 +5,7 @@ the refusal under graph capture, and the ops of an offloaded model."""
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import ints
 
 import codegen as cg
 from codegen import examples
@@ -14,11 +15,6 @@ pytestmark = pytest.mark.gpu
 
 def host_linear(dtype, slices, name, bias=False):
     return examples.offload_linear(dtype, slices, bias, name=name)
-
-
-def ints(*shape, device="cuda", pin=False):
-    t = torch.randint(-3, 4, shape, dtype=torch.float32)
-    return t.pin_memory() if pin else t.to(device)
 
 
 def test_calls_back_to_back_reuse_the_ring_exactly(cache_dir):
@@ -31,14 +27,14 @@ def test_calls_back_to_back_reuse_the_ring_exactly(cache_dir):
                         staging="ring")
     mlp = cg.compile(examples.llama_mlp(torch.float32, 4, weights="cpu", name="ring_gpu_mlp"),
                      staging="ring")
-    x = ints(64, 256)
+    x = ints(64, 256, device="cuda")
     widths = [128, 512, 2048, 4096] * 3
-    weights = [ints(n, 256, pin=True) for n in widths]
-    biases = [ints(n, pin=True) for n in widths]
+    weights = [ints(n, 256).pin_memory() for n in widths]
+    biases = [ints(n).pin_memory() for n in widths]
     outs = []
     for k, (w, b) in enumerate(zip(weights, biases)):
         outs.append(biased(x, w, b) if k % 3 == 2 else linear(x, w))
-    wg, wu, wd = ints(512, 256, pin=True), ints(512, 256, pin=True), ints(256, 512, pin=True)
+    wg, wu, wd = (ints(*s).pin_memory() for s in [(512, 256), (512, 256), (256, 512)])
     y = mlp(x, wg, wu, wd)
     torch.cuda.synchronize()
     for k, (out, w, b) in enumerate(zip(outs, weights, biases)):
@@ -49,14 +45,14 @@ def test_calls_back_to_back_reuse_the_ring_exactly(cache_dir):
     assert ((y - expect).norm() / expect.norm()).item() < 1e-6
 
 
-def test_the_ring_copies_while_the_caller_stream_is_busy(cache_dir):
-    """The ring stream is not ordered after the caller's stream: with the caller's stream
-    held by a long kernel, a ring op's result is still right (its GEMMs wait for the
-    caller), and a slots op called the same way is too."""
+def test_the_gemms_wait_for_a_busy_caller_stream(cache_dir):
+    """The ring stream is not ordered after the caller's stream, the GEMMs are: with the
+    caller's stream held by a long kernel and then writing the op's input, a ring op reads
+    the written input (as a slots op does)."""
     ring = cg.compile(host_linear(torch.float32, 4, "ring_gpu_busy"), staging="ring")
     slots = cg.compile(host_linear(torch.float32, 4, "ring_gpu_busy"))
-    x = ints(32, 128)
-    w = ints(1024, 128, pin=True)
+    x = ints(32, 128, device="cuda")
+    w = ints(1024, 128).pin_memory()
     for op in (ring, slots):
         y = torch.empty_like(x)
         torch.cuda._sleep(50_000_000)  # the caller's stream is busy while the op queues
@@ -89,7 +85,7 @@ def test_ring_memory_is_bounded_by_its_slots(cache_dir):
 
 def test_a_ring_program_refuses_capture_with_a_clear_message(cache_dir):
     op = cg.compile(host_linear(torch.float32, 2, "ring_gpu_capture"), staging="ring")
-    x, w = ints(8, 64), ints(64, 64, pin=True)
+    x, w = ints(8, 64, device="cuda"), ints(64, 64).pin_memory()
     op(x, w)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()

@@ -13,41 +13,20 @@ forward (what the host spends it on).
 
 from __future__ import annotations
 
-import time
-
 import torch
 from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
 import codegen.nn
-
-
-def host_ms(fn, calls: int) -> float:
-    """Wall ms per call of ``fn`` while the GPU is held by a sleep queued ahead."""
-    fn()
-    torch.cuda.synchronize()
-    torch.cuda._sleep(3_000_000_000)  # about 2 s: longer than the calls take to queue
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    elapsed = (time.perf_counter() - start) * 1e3 / calls
-    torch.cuda.synchronize()
-    return elapsed
+from benchmarks.common import build, host_sample, is_decoder_linear, llama_config
 
 
 def llama(prefetch: bool | None) -> nn.Module:
-    import transformers
-
-    config = transformers.LlamaConfig(
-        vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=4,
-        num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192)
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = transformers.LlamaForCausalLM(config).to(torch.bfloat16).eval()
+    """The offload_llama benchmark's model, offloaded as there (``None``: GPU-resident)."""
+    model = build(llama_config())
     if prefetch is None:
         return model
-    return codegen.nn.offload(model.cpu(), slices=8, prefetch=prefetch,
-                              filter=lambda name, m: name.startswith("model.layers."))
+    return codegen.nn.offload(model, slices=8, prefetch=prefetch, filter=is_decoder_linear)
 
 
 def main() -> None:
@@ -58,16 +37,19 @@ def main() -> None:
         layer = nn.Linear(4096, 14336, bias=False).to(torch.bfloat16)
         codegen.nn.offload(layer, slices=8, prefetch=prefetch)
         with torch.no_grad():
-            us = host_ms(lambda layer=layer: layer(x), 10) * 1e3
+            layer(x)  # builds the program
+            us = host_sample(lambda layer=layer: layer(x), calls=10, busy_ms=50)
         op = next(iter(layer._codegen.ops.values()))
-        direct = host_ms(lambda op=op, layer=layer: op(x, layer.weight.detach()), 10) * 1e3
+        direct = host_sample(lambda op=op, layer=layer: op(x, layer.weight.detach()),
+                             calls=10, busy_ms=50)
         print(f"Linear(4096, 14336), 512 tokens, S = 8, prefetch={prefetch}: "
               f"{us:.0f} µs host per call through nn, {direct:.0f} µs per op call")
     ids = torch.randint(0, 32000, (1, 512), device="cuda")
     for prefetch in (True, False, None):
         model = llama(prefetch)
         with torch.no_grad():
-            ms = host_ms(lambda model=model: model(ids), 1)
+            model(ids)  # builds the programs
+            ms = host_sample(lambda model=model: model(ids), calls=1, busy_ms=100) / 1e3
         print(f"4-layer Llama, 512 tokens, prefetch={prefetch} (None: GPU-resident): "
               f"{ms:.2f} ms host per forward")
         if prefetch:

@@ -216,9 +216,7 @@ class PendingHostTensors {
         return e;
       }
     }
-    cudaEvent_t e = nullptr;
-    check_cuda(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), op, "creating an event");
-    return e;
+    return new_event(op);
   }
 
   void pop_front() {

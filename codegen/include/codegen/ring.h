@@ -5,10 +5,10 @@
 // program the thread calls: a block of GPU memory from PyTorch's caching allocator,
 // allocated on the lease's ring stream, and the ranges of it that slices took, oldest
 // first, each with the event its last reader recorded. It goes with the lease: a thread
-// that takes a lease given back at another thread's exit takes its ring too, so its copies
-// wait for the events of the ranges the other thread's GEMMs read. A slice takes the next bytes after the previous slice (wrapping to
-// the start when they do not fit) and the ring stream waits for the events of the ranges
-// it overlaps: a range is reused as soon as the one GEMM that read it has finished, not
+// that takes a lease given back at another thread's exit takes its ring too, so its
+// copies wait for the events of the ranges the other thread's GEMMs read. A slice takes
+// the next bytes after the previous slice (wrapping to the start when they do not fit)
+// and the ring stream waits for the events of the ranges it overlaps: a range is reused as soon as the one GEMM that read it has finished, not
 // when the call that read it has joined. The ring stream is never forked from the
 // caller's stream (its copies read only host inputs, which must be complete when the op
 // is called: hostir.stage_in_ring), so the copies of the next call queue right behind
@@ -31,9 +31,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <deque>
-#include <memory>
-#include <vector>
 
 #include "codegen/check.h"
 #include "codegen/copy.h"

@@ -79,6 +79,13 @@ inline constexpr int64_t kMaxWorkers = 32;
 // the host IR's RingStream, hostir.RING_POSITION): after every other stream of the lease.
 inline constexpr int64_t kRingStream = 2 * kMaxWorkers;
 
+// A new event for ordering streams (no timing).
+inline cudaEvent_t new_event(const char* op) {
+  cudaEvent_t e = nullptr;
+  check_cuda(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), op, "creating an event");
+  return e;
+}
+
 // Bytes [begin, end) of the ring, held by a slice until its reader's event fires.
 struct RingRange {
   int64_t begin = 0, end = 0;
@@ -101,10 +108,7 @@ struct Ring {
       spare.pop_back();
       return e;
     }
-    cudaEvent_t e = nullptr;
-    check_cuda(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "codegen",
-               "creating an event");
-    return e;
+    return new_event("codegen");
   }
 };
 
@@ -126,12 +130,7 @@ struct Lease {
   std::vector<cudaEvent_t> events;
 
   cudaEvent_t event(size_t k) {
-    while (events.size() <= k) {
-      cudaEvent_t e = nullptr;
-      check_cuda(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "codegen",
-                 "creating an event");
-      events.push_back(e);
-    }
+    while (events.size() <= k) events.push_back(new_event("codegen"));
     return events[k];
   }
   std::vector<std::pair<cudaStream_t, std::unique_ptr<Workspace>>> caller_workspaces;
@@ -162,8 +161,7 @@ struct Lease {
       s.workspace = workspaces.back().get();
       check_cuda(cudaStreamCreateWithFlags(&s.handle, cudaStreamNonBlocking), "codegen",
                  "creating a worker stream");
-      check_cuda(cudaEventCreateWithFlags(&s.event, cudaEventDisableTiming), "codegen",
-                 "creating an event");
+      s.event = new_event("codegen");
       workers.push_back(s);
     }
     return workers[static_cast<size_t>(k)];
@@ -189,8 +187,7 @@ class LeasePool {
     }
     auto lease = std::make_unique<Lease>();
     lease->device = device;
-    check_cuda(cudaEventCreateWithFlags(&lease->caller_event, cudaEventDisableTiming),
-               "codegen", "creating an event");
+    lease->caller_event = new_event("codegen");
     return lease;
   }
 
