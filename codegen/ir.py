@@ -679,12 +679,25 @@ def cast(t: TensorView, dtype: torch.dtype) -> TensorView:
 
 
 def matmul_tn(a: TensorView, b: TensorView) -> TensorView:
-    """``a.T @ b`` for 2-D ``a [k, m]`` and ``b [k, n]``: a contraction over both rows."""
+    """``a.mT @ b`` for ``a [k, m]`` and ``b [k, n]`` (a contraction over both rows), or
+    batched: ``a [B, k, m]``, ``b [B, k, n]``."""
     return _define(ops_.MATMUL_TN, a=a, b=b)
 
 
+def matmul_nt(a: TensorView, b: TensorView) -> TensorView:
+    """``a @ b.mT`` for ``a [m, k]`` and ``b [n, k]``, or batched: ``a [B, m, k]``,
+    ``b [B, n, k]``."""
+    return _define(ops_.MATMUL_NT, a=a, b=b)
+
+
+def matmul_tn_sum(a: TensorView, b: TensorView) -> TensorView:
+    """The sum over the batch of ``a[i].T @ b[i]``: ``a [B, k, m]``, ``b [B, k, n]``,
+    out ``[m, n]`` (the gradient of a weight every batch shares)."""
+    return _define(ops_.MATMUL_TN_SUM, a=a, b=b)
+
+
 def sum_rows(t: TensorView) -> TensorView:
-    """``t.sum(0)`` of a 2-D ``t``."""
+    """``t`` summed over every axis but the last, for a 2-D or 3-D ``t``."""
     return _define(ops_.SUM_ROWS, x=t)
 
 

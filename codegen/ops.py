@@ -143,18 +143,14 @@ def same_dtype(op: str) -> Callable[[Mapping[str, Any], Attrs], torch.dtype]:
 # gives the gradient of every operand.
 
 
-def _no_vjp(op: str, why: str) -> ScheduleError:
-    return ScheduleError(f"{op}: no backward for {why}")
-
-
 def _unbroadcast(op: str, g: Any, like: Any, b: Any) -> Any:
     """The gradient of an operand broadcast along leading axes: ``g`` summed over them."""
     if g.ndim == like.ndim:
         return g
-    if (g.ndim, like.ndim) == (2, 1):
+    if like.ndim == 1:
         return b.sum_rows(g)
     return NoGradient(f"{op}: no backward for {like.name}, broadcast from rank {like.ndim} "
-                      f"to rank {g.ndim} (only [n] against [m, n] has one)")
+                      f"to rank {g.ndim} (only [n] against [m, n] or [b, m, n] has one)")
 
 
 class NoGradient:
@@ -206,15 +202,12 @@ def _matmul_evaluate(v: Mapping[str, torch.Tensor], out: torch.Tensor, attrs: At
 
 
 def _matmul_vjp(dy: Any, v: Mapping[str, Any], attrs: Attrs, b: Any) -> dict[str, Any]:
-    if v["b"].ndim != 2:
-        raise _no_vjp("matmul", f"a 3-D b ({v['b'].name}): batched products have none yet")
-    grads = {"a": b.linear(dy, v["b"])}  # dy @ b.T
-    if v["a"].ndim == 2:
-        grads["b"] = b.matmul_tn(v["a"], dy)  # a.T @ dy
-    else:
-        grads["b"] = NoGradient(f"matmul: no backward for b ({v['b'].name}) of a 3-D x 2-D "
-                                 "product (its gradient sums over the batch)")
-    return grads
+    a_, b_ = v["a"], v["b"]
+    if b_.ndim == 3:  # batched: each batch's product, per batch
+        return {"a": b.matmul_nt(dy, b_), "b": b.matmul_tn(a_, dy)}  # dy @ b.mT, a.mT @ dy
+    if a_.ndim == 3:  # one b shared by the batch: its gradient sums over the batch
+        return {"a": b.linear(dy, b_), "b": b.matmul_tn_sum(a_, dy)}
+    return {"a": b.linear(dy, b_), "b": b.matmul_tn(a_, dy)}  # dy @ b.T, a.T @ dy
 
 
 MATMUL = define(OpDef(
@@ -263,10 +256,10 @@ def _linear_vjp(dy: Any, v: Mapping[str, Any], attrs: Attrs, b: Any) -> dict[str
         grads["w"] = b.matmul_tn(dy, v["x"])  # dy.T @ x
         if "bias" in v:
             grads["bias"] = b.sum_rows(dy)
-    else:
-        for name in ("w", "bias"):
-            grads[name] = NoGradient(f"linear: no backward for {name} of a 3-D x (its "
-                                      "gradient sums over the batch)")
+    else:  # w and bias are shared by the batch: their gradients sum over it too
+        grads["w"] = b.matmul_tn_sum(dy, v["x"])
+        if "bias" in v:
+            grads["bias"] = b.sum_rows(dy)
     return grads
 
 
@@ -277,55 +270,120 @@ LINEAR = define(OpDef(
 ))
 
 
-def _two_dims(op: str, *operands: str) -> Callable[[Mapping[str, Any], Attrs], None]:
+# The GEMMs of gradients: the transposes are read in place (cuBLAS's op flags), never
+# copied. Each is the runtime's ``Gemms::<name>``.
+
+
+def _ranks(op: str, allowed: tuple[tuple[int, ...], ...], what: str
+           ) -> Callable[[Mapping[str, Any], Attrs], None]:
     def check(t: Mapping[str, Any], attrs: Attrs) -> None:
-        for name in operands:
-            if t[name].ndim != 2:
-                raise ScheduleError(f"{op}: {name} must be 2-D, got {t[name].name} of rank "
-                                    f"{t[name].ndim}")
+        names = [n for n in ("a", "b", "x") if n in t]
+        if tuple(t[n].ndim for n in names) not in allowed:
+            found = ", ".join(f"{n}={t[n].name} of rank {t[n].ndim}" for n in names)
+            raise ScheduleError(f"{op}: supported ranks are {what}; got {found}")
 
     return check
 
 
+def _batch(rank: int) -> list[AxisGroup]:
+    """The batch axis of a batched GEMM of rank-``rank`` operands a and b, if any."""
+    return [AxisGroup((("a", 0), ("b", 0), ("out", 0)))] if rank == 3 else []
+
+
 def _matmul_tn_axes(rank: Mapping[str, int], attrs: Attrs) -> list[AxisGroup]:
-    return [AxisGroup((("a", 1), ("out", 0))), AxisGroup((("b", 1), ("out", 1))),
-            AxisGroup((("a", 0), ("b", 0), ("out", 2)), reduction=True)]
+    o = rank["a"] - 2  # a [B?, k, m], b [B?, k, n] -> out [B?, m, n]
+    return [*_batch(rank["a"]), AxisGroup((("a", o + 1), ("out", o))),
+            AxisGroup((("b", o + 1), ("out", o + 1))),
+            AxisGroup((("a", o), ("b", o), ("out", o + 2)), reduction=True)]
 
 
 def _matmul_tn_evaluate(v: Mapping[str, torch.Tensor], out: torch.Tensor,
                         attrs: Attrs) -> None:
-    if v["a"].shape[0] == 0:
+    if v["a"].shape[-2] == 0:
         out.zero_()
     else:
-        torch.matmul(v["a"].t(), v["b"], out=out)
+        torch.matmul(v["a"].mT, v["b"], out=out)
 
 
-# ``a.T @ b`` (a ``[k, m]``, b ``[k, n]``): the weight gradients of matmul and linear
-# (``x.T @ dy``, ``dy.T @ x``), a contraction over both operands' rows. cuBLAS reads the
-# transpose in place; the runtime's ``Gemms::matmul_tn``.
+# ``a.mT @ b`` (a ``[B?, k, m]``, b ``[B?, k, n]``): the weight gradients of matmul and
+# linear (``x.T @ dy``, ``dy.T @ x``), a contraction over both operands' rows; batched,
+# the gradient of a batched matmul's b.
 MATMUL_TN = define(OpDef(
     name="matmul_tn", node="MatmulTN", family="gemm", operands=("a", "b"),
-    check=_two_dims("matmul_tn", "a", "b"), axes=_matmul_tn_axes,
-    dtype=same_dtype("matmul_tn"), evaluate=_matmul_tn_evaluate,
+    check=_ranks("matmul_tn", ((2, 2), (3, 3)), "2-D x 2-D and 3-D x 3-D"),
+    axes=_matmul_tn_axes, dtype=same_dtype("matmul_tn"), evaluate=_matmul_tn_evaluate,
+))
+
+
+def _matmul_nt_axes(rank: Mapping[str, int], attrs: Attrs) -> list[AxisGroup]:
+    o = rank["a"] - 2  # a [B?, m, k], b [B?, n, k] -> out [B?, m, n]
+    return [*_batch(rank["a"]), AxisGroup((("a", o), ("out", o))),
+            AxisGroup((("b", o), ("out", o + 1))),
+            AxisGroup((("a", o + 1), ("b", o + 1), ("out", o + 2)), reduction=True)]
+
+
+def _matmul_nt_evaluate(v: Mapping[str, torch.Tensor], out: torch.Tensor,
+                        attrs: Attrs) -> None:
+    if v["a"].shape[-1] == 0:
+        out.zero_()
+    else:
+        torch.matmul(v["a"], v["b"].mT, out=out)
+
+
+# ``a @ b.mT`` (a ``[B?, m, k]``, b ``[B?, n, k]``): the gradient of a batched matmul's a
+# (a 2-D one is ``linear``).
+MATMUL_NT = define(OpDef(
+    name="matmul_nt", node="MatmulNT", family="gemm", operands=("a", "b"),
+    check=_ranks("matmul_nt", ((2, 2), (3, 3)), "2-D x 2-D and 3-D x 3-D"),
+    axes=_matmul_nt_axes, dtype=same_dtype("matmul_nt"), evaluate=_matmul_nt_evaluate,
+))
+
+
+def _matmul_tn_sum_axes(rank: Mapping[str, int], attrs: Attrs) -> list[AxisGroup]:
+    # a [B, k, m], b [B, k, n] -> out [m, n]: a contraction over B and k.
+    return [AxisGroup((("a", 2), ("out", 0))), AxisGroup((("b", 2), ("out", 1))),
+            AxisGroup((("a", 0), ("b", 0), ("out", 2)), reduction=True),
+            AxisGroup((("a", 1), ("b", 1), ("out", 3)), reduction=True)]
+
+
+def _matmul_tn_sum_evaluate(v: Mapping[str, torch.Tensor], out: torch.Tensor,
+                            attrs: Attrs) -> None:
+    a, b = v["a"].flatten(0, 1), v["b"].flatten(0, 1)
+    if a.shape[0] == 0:
+        out.zero_()
+    else:
+        torch.matmul(a.t(), b, out=out)
+
+
+# ``sum over the batch of a[i].T @ b[i]`` (a ``[B, k, m]``, b ``[B, k, n]``, out
+# ``[m, n]``): the gradient of a 2-D operand a batch shares (the w of a 3-D linear, the b
+# of a 3-D x 2-D matmul). One GEMM over ``B * k`` rows where the batch folds into the
+# rows, else one per batch, accumulating.
+MATMUL_TN_SUM = define(OpDef(
+    name="matmul_tn_sum", node="MatmulTNSum", family="gemm", operands=("a", "b"),
+    check=_ranks("matmul_tn_sum", ((3, 3),), "3-D x 3-D"), axes=_matmul_tn_sum_axes,
+    dtype=same_dtype("matmul_tn_sum"), evaluate=_matmul_tn_sum_evaluate, epilogues=False,
 ))
 
 
 def _sum_rows_axes(rank: Mapping[str, int], attrs: Attrs) -> list[AxisGroup]:
-    return [AxisGroup((("x", 1), ("out", 0))),
-            AxisGroup((("x", 0), ("out", 1)), reduction=True)]
+    r = rank["x"]  # x [B?, m, n] -> out [n]: a contraction over every axis but the last
+    return [AxisGroup((("x", r - 1), ("out", 0))),
+            *(AxisGroup((("x", d), ("out", d + 1)), reduction=True) for d in range(r - 1))]
 
 
 def _sum_rows_evaluate(v: Mapping[str, torch.Tensor], out: torch.Tensor,
                        attrs: Attrs) -> None:
-    torch.sum(v["x"], 0, out=out)
+    torch.sum(v["x"], tuple(range(v["x"].dim() - 1)), out=out)
 
 
-# ``x.sum(0)`` of a 2-D ``x``: a bias gradient. It runs as a GEMM (a row of ones times
-# ``x``: fp32 accumulation, as torch's sum); the runtime's ``Gemms::sum_rows``.
+# ``x.sum`` over every axis but the last, of a 2-D or 3-D ``x``: a bias gradient. It runs
+# as a GEMM (a row of ones times ``x``: fp32 accumulation, as torch's sum); the runtime's
+# ``Gemms::sum_rows``.
 SUM_ROWS = define(OpDef(
     name="sum_rows", node="SumRows", family="gemm", operands=("x",),
-    check=_two_dims("sum_rows", "x"), axes=_sum_rows_axes, dtype=lambda t, a: t["x"].dtype,
-    evaluate=_sum_rows_evaluate, epilogues=False,
+    check=_ranks("sum_rows", ((2,), (3,)), "2-D and 3-D"), axes=_sum_rows_axes,
+    dtype=lambda t, a: t["x"].dtype, evaluate=_sum_rows_evaluate, epilogues=False,
 ))
 
 # ---------------------------------------------------------------------------- pointwise

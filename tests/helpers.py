@@ -1,6 +1,7 @@
 """Fusions used by several tests: the bundled examples, with sizes as parameters."""
 
 import torch
+import torch.nn.functional as F
 
 import codegen as cg
 from codegen import examples
@@ -25,3 +26,27 @@ def two_matmuls(inlinable: bool):
 def stream_loops(program):
     return [n for n in program.nodes()
             if isinstance(n, cg.hostir.ForLoop) and n.parallel is cg.ParallelType.Stream]
+
+
+# Batched products, for their gradients: per kind, the op on a fusion's inputs, torch's
+# same math and the inputs' shapes. "bmm": [b, m, k] @ [b, k, n]; "shared": [b, m, k] @
+# [k, n] (the 2-D operand's gradient sums over the batch); "linear": a 3-D x with bias.
+BATCHED_INPUTS = {
+    "bmm": [("a", ["b", "m", "k"]), ("w", ["b", "k", "n"])],
+    "shared": [("a", ["b", "m", "k"]), ("w", ["k", "n"])],
+    "linear": [("x", ["b", "m", "k"]), ("w", ["n", "k"]), ("bias", ["n"])],
+}
+BATCHED_TORCH = {"bmm": torch.matmul, "shared": torch.matmul, "linear": F.linear}
+BATCHED_SHAPES = {"bmm": [(4, 5, 3), (4, 3, 6)], "shared": [(4, 5, 3), (3, 6)],
+                  "linear": [(4, 5, 3), (6, 3), (6,)]}
+
+
+def batched(kind, dtype, axis, slices=2):
+    """The batched product ``kind``, its output split ``slices`` ways on ``axis``."""
+    with cg.Fusion(f"{kind}_split_{axis}") as f:
+        inputs = [cg.input(shape, dtype, name=name) for name, shape in BATCHED_INPUTS[kind]]
+        out = cg.linear(*inputs) if kind == "linear" else cg.matmul(*inputs)
+        cg.output(out)
+    out.outer_split(axis, slices)
+    out.axis(axis).parallelize(cg.ParallelType.Stream)
+    return f

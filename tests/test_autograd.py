@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import ints
-from helpers import stream_loops
+from helpers import BATCHED_SHAPES, BATCHED_TORCH, batched, stream_loops
 
 import codegen as cg
 from codegen import autograd, examples, races
@@ -286,19 +286,67 @@ def test_backward_digest_ignores_the_source():
     assert op_name(cg.lower(g.backward)) != op_name(cg.lower(f))
 
 
+# ---------------------------------------------------------------------------- batched
+
+@pytest.mark.parametrize("kind", sorted(BATCHED_SHAPES))
+@pytest.mark.parametrize("axis", [0, 1, 2], ids=["batch", "rows", "cols"])
+def test_gradcheck_batched(kind, axis):
+    _gradcheck(batched(kind, F64, axis), BATCHED_SHAPES[kind])
+
+
+@pytest.mark.parametrize("kind", sorted(BATCHED_SHAPES))
+@pytest.mark.parametrize("axis", [0, 1, 2], ids=["batch", "rows", "cols"])
+def test_batched_gradients_exact_on_integers(kind, axis):
+    torch.manual_seed(0)
+    inputs = [ints(*s) for s in BATCHED_SHAPES[kind]]
+    outs, grads, weights = _grads(cg.lower(batched(kind, torch.float32, axis)), inputs)
+    touts, tgrads = _torch_grads(BATCHED_TORCH[kind], inputs, weights)
+    for got, want in zip(outs + grads, touts + tgrads):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_batched_backward_ops():
+    """Which GEMMs the gradients are: a batched product's are batched products, a shared
+    operand's gradient sums over the batch (one contraction over batch and rows)."""
+    def gemms(kind):
+        program = cg.lower(batched(kind, torch.float32, 0))
+        g = autograd.derive(program.source, (True,) * len(program.inputs))
+        return sorted(op.defn.name for op in g.backward.ops)
+
+    assert gemms("bmm") == ["matmul_nt", "matmul_tn"]
+    assert gemms("shared") == ["linear", "matmul_tn_sum"]
+    assert gemms("linear") == ["matmul", "matmul_tn_sum", "sum_rows"]
+
+
+def test_batched_gradient_of_a_strided_input():
+    """A batch that does not fold into rows (x [m, b, k] transposed to [b, m, k]): the
+    evaluator's gradients still equal torch's."""
+    torch.manual_seed(0)
+    x = ints(5, 4, 3).transpose(0, 1)
+    w, bias = ints(6, 3), ints(6)
+    outs, grads, weights = _grads(cg.lower(batched("linear", torch.float32, 0)), [x, w, bias])
+    touts, tgrads = _torch_grads(F.linear, [x, w, bias], weights)
+    for got, want in zip(outs + grads, touts + tgrads):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
 # ---------------------------------------------------------------------------- errors
 
 
-def test_batched_matmul_has_no_backward_yet():
-    """Forward still runs where inputs require grad; backward fails naming the op."""
-    program = cg.lower(examples.batched())
-    shapes = [(t.shape, t.dtype) for t in program.inputs]
-    env = {"b": 2, "m": 3, "k": 4, "n": 5}
-    inputs = [torch.randn([e.evaluate(env) for e in s], dtype=d, requires_grad=True)
-              for s, d in shapes]
-    out = cg.evaluate(program, inputs)[0]
-    with pytest.raises(cg.ScheduleError, match=r"batched: no backward: matmul: no backward "
-                                               r"for a 3-D b"):
+def test_a_broadcast_without_a_backward_is_named():
+    """b [m, n] broadcast against [batch, m, n] has no gradient rule: the forward runs
+    where inputs require grad; the backward fails naming the op and the operand."""
+    with cg.Fusion("add_over_batch") as f:
+        x = cg.input(["b", "m", "k"], F64, name="x")
+        w = cg.input(["k", "n"], F64, name="w")
+        plane = cg.input(["m", "n"], F64, name="plane")
+        cg.output(cg.add(cg.matmul(x, w), plane))
+    inputs = [torch.randn(*s, dtype=F64, requires_grad=True) for s in [(2, 3, 4), (4, 5),
+                                                                        (3, 5)]]
+    out = cg.evaluate(cg.lower(f), inputs)[0]
+    with pytest.raises(cg.ScheduleError, match=r"add_over_batch: no backward: add: no "
+                                               r"backward for plane, broadcast from rank 2 "
+                                               r"to rank 3"):
         out.sum().backward()
 
 
@@ -364,9 +412,10 @@ def test_backward_programs_build(cache_dir):
     """The backward's C++ (MatmulTN, SumRows, the GELU-derivative kernel, host gradients
     copied out) builds and loads without a GPU."""
     for fusion in (examples.gpt_mlp(torch.bfloat16, 2),
-                   examples.llama_mlp(torch.float32, 2, weights="cpu")):
+                   examples.llama_mlp(torch.float32, 2, weights="cpu"),
+                   batched("bmm", torch.bfloat16, 0), batched("linear", torch.float32, 1)):
         program = cg.lower(fusion)
         g = autograd.derive(program.source, (True,) * len(program.inputs))
         op = cg.build(cg.lower(g.backward).replace(source=None))
         assert op.name.startswith(f"codegen::{fusion.name}_backward_")
-        assert "gemms.matmul_tn(" in op.source
+        assert "gemms.matmul_tn" in op.source

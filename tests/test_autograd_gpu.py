@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import ints
+from helpers import BATCHED_SHAPES, BATCHED_TORCH, batched
 
 import codegen as cg
 from codegen import examples
@@ -88,6 +89,53 @@ def test_layer_gradients_match_torch(case, dtype, cache_dir):
         err, ref_err = (g.double() - e).abs().max(), (w.double() - e).abs().max()
         scale = e.abs().max()
         assert err <= 4 * ref_err + 1e-3 * scale, (case, err, ref_err, scale)
+
+
+def _scaled(shapes, scale):
+    return [tuple(d * scale for d in s) for s in shapes]
+
+
+@pytest.mark.parametrize("kind", sorted(BATCHED_SHAPES))
+@pytest.mark.parametrize("axis", [0, 1, 2], ids=["batch", "rows", "cols"])
+def test_batched_gradients_exact_on_integers(kind, axis, cache_dir):
+    """Batched GEMM gradients (MatmulNT, batched MatmulTN, MatmulTNSum, a 3-D SumRows),
+    exact; the inputs 16 times the CPU tests' sizes."""
+    torch.manual_seed(0)
+    op = cg.compile(batched(kind, torch.float32, axis, slices=4))
+    inputs = [ints(*s, device="cuda") for s in _scaled(BATCHED_SHAPES[kind], 16)]
+    weight = ints(*BATCHED_TORCH[kind](*inputs).shape, device="cuda")
+    out, grads = _run(op, inputs, weight)
+    tout, tgrads = _run(BATCHED_TORCH[kind], inputs, weight)
+    for got, want in zip([out, *grads], [tout, *tgrads]):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("kind", ["shared", "linear"])
+def test_batched_gradient_of_a_strided_batch(kind, cache_dir):
+    """A 3-D input whose batch does not fold into its rows ([m, b, k] transposed): the
+    summed weight gradient (and the bias's) runs one GEMM per batch, accumulating."""
+    torch.manual_seed(0)
+    op = cg.compile(batched(kind, torch.float32, 0, slices=4))
+    b, m, k = _scaled([BATCHED_SHAPES[kind][0]], 16)[0]
+    x = ints(m, b, k, device="cuda").transpose(0, 1)
+    rest = [ints(*s, device="cuda") for s in _scaled(BATCHED_SHAPES[kind][1:], 16)]
+    weight = ints(*BATCHED_TORCH[kind](x, *rest).shape, device="cuda")
+    out, grads = _run(op, [x, *rest], weight)
+    tout, tgrads = _run(BATCHED_TORCH[kind], [x, *rest], weight)
+    for got, want in zip([out, *grads], [tout, *tgrads]):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_sum_rows_of_a_strided_batch(cache_dir):
+    """SumRows of a 3-D input whose batch does not fold into its rows: one GEMM per
+    batch, accumulating; and of one that folds: one GEMM."""
+    with cg.Fusion("sum_rows_3d") as f:
+        x = cg.input(["b", "m", "n"], torch.float32, name="x")
+        cg.output(cg.ir.sum_rows(x))
+    op = cg.compile(f)
+    torch.manual_seed(0)
+    for x in (ints(48, 6, 40, device="cuda").transpose(0, 1), ints(6, 48, 40, device="cuda")):
+        torch.testing.assert_close(op(x), x.sum((0, 1)), rtol=0, atol=0)
 
 
 def test_host_weights_get_host_gradients(cache_dir):

@@ -257,8 +257,8 @@ class Gemms {
     gemm(out, x, transposed(w), &bias, epilogue, stream);
   }
 
-  // out = epilogue(a^T @ b), a [K, M], b [K, N]: the weight gradients (x^T dy, dy^T x),
-  // a's transpose read in place.
+  // out = epilogue(a^T @ b), a [B?, K, M], b [B?, K, N]: the weight gradients (x^T dy,
+  // dy^T x; batched, a batched matmul's db), a's transpose read in place.
   void matmul_tn(const View& out, const View& a, const View& b, const Stream& stream) {
     gemm(out, transposed(a), b, nullptr, Epilogue::None, stream);
   }
@@ -267,11 +267,52 @@ class Gemms {
     gemm(out, transposed(a), b, nullptr, epilogue, stream);
   }
 
-  // out[N] = the sum of x's rows (x [M, N]): a row of ones times x, accumulated in fp32
-  // (and never in TF32), as torch sums.
+  // out = epilogue(a @ b^T), a [B?, M, K], b [B?, N, K]: a batched matmul's da.
+  void matmul_nt(const View& out, const View& a, const View& b, const Stream& stream) {
+    gemm(out, a, transposed(b), nullptr, Epilogue::None, stream);
+  }
+  void matmul_nt(const View& out, const View& a, const View& b, Epilogue epilogue,
+                 const Stream& stream) {
+    gemm(out, a, transposed(b), nullptr, epilogue, stream);
+  }
+
+  // out[M, N] = the sum over the batch of a[i]^T @ b[i] (a [B, K, M], b [B, K, N]): the
+  // gradient of a weight every batch shares. One GEMM over B * K rows where both fold
+  // into rows (a contiguous batch), else one GEMM per batch accumulating into out.
+  void matmul_tn_sum(const View& out, const View& a, const View& b, const Stream& stream) {
+    View fa, fb;
+    if (fold_batch(a, &fa) && fold_batch(b, &fb)) {
+      gemm(out, transposed(fa), fb, nullptr, Epilogue::None, stream);
+      return;
+    }
+    for (int64_t i = 0; i < a.sizes[0]; ++i) {
+      const View ai = transposed(batch(a, i)), bi = batch(b, i);
+      if (i == 0) {
+        gemm(out, ai, bi, nullptr, Epilogue::None, stream);
+      } else if (out.sizes[0] > 0 && out.sizes[1] > 0) {
+        test_fault_point(op_);
+        gemm_cublas(gemm_args(out, ai, bi, op_), out, ai, bi, type_, /*accumulate=*/true,
+                    op_);
+      }
+    }
+  }
+
+  // out[N] = the sum of x's rows (x [B?, M, N]: every row of every batch): a row of ones
+  // times x, accumulated in fp32 (and never in TF32), as torch sums.
   void sum_rows(const View& out, const View& x, const Stream& stream) {
+    View rows = x;
+    if (x.dim == 3 && !fold_batch(x, &rows)) {
+      for (int64_t i = 0; i < x.sizes[0]; ++i) sum_rows_2d(out, batch(x, i), i > 0, stream);
+      return;
+    }
+    sum_rows_2d(out, rows, false, stream);
+  }
+
+ private:
+  // x [M, N] summed over its rows into out [N], or onto out (accumulate).
+  void sum_rows_2d(const View& out, const View& x, bool accumulate, const Stream& stream) {
     const int64_t M = x.sizes[0], N = x.sizes[1];
-    if (N == 0) return;
+    if (N == 0 || (M == 0 && accumulate)) return;
     if (M == 0) {
       check_cuda(cudaMemsetAsync(out.data, 0, N * out.itemsize, stream.handle), op_,
                  "cudaMemsetAsync");
@@ -292,10 +333,32 @@ class Gemms {
     ones.strides[1] = 1;
     GemmType exact = type_;
     if (exact.compute == CUBLAS_COMPUTE_32F_FAST_TF32) exact.compute = CUBLAS_COMPUTE_32F_PEDANTIC;
-    gemm_cublas(gemm_args(c, ones, x, op_), c, ones, x, exact, /*accumulate=*/false, op_);
+    gemm_cublas(gemm_args(c, ones, x, op_), c, ones, x, exact, accumulate, op_);
   }
 
- private:
+  // Batch i of a 3-D view: a 2-D view.
+  static View batch(const View& v, int64_t i) {
+    View b = v;
+    b.data += i * v.strides[0] * v.itemsize;
+    b.dim = 2;
+    b.sizes[0] = v.sizes[1];
+    b.sizes[1] = v.sizes[2];
+    b.strides[0] = v.strides[1];
+    b.strides[1] = v.strides[2];
+    return b;
+  }
+
+  // [B, K, N] as [B * K, N] when each batch's rows follow the previous batch's (a batch
+  // stride of K rows, at most one batch, or one row per batch: rows B apart).
+  static bool fold_batch(const View& v, View* out) {
+    const int64_t B = v.sizes[0], K = v.sizes[1];
+    if (B > 1 && K > 1 && v.strides[0] != K * v.strides[1]) return false;
+    *out = batch(v, 0);
+    out->sizes[0] = B * K;
+    if (K == 1) out->strides[0] = v.strides[0];
+    return true;
+  }
+
   // c = epilogue(a @ b (+ bias)) for views of rank 2 or 3 (c: [B?, M, N], a: [B?, M, K],
   // b: [B?, K, N]; a rank-2 operand is shared by every batch; bias: [N]). c must be
   // row-major, which holds for the outputs codegen allocates and their slices. cuBLASLt
