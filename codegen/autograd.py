@@ -297,7 +297,7 @@ class Runner:
         p = self.program
         program = lower(fusion, pool_size=p.pool_size, gemm_sm_count=p.gemm_sm_count,
                         gemm_library=p.gemm_library, copy_stream=p.copy_stream,
-                        staging=p.staging)
+                        staging=p.staging, split_contraction=p.split_contraction)
         if not keep:
             program = program.replace(source=None)  # no backward of a backward
         if self.compiled:

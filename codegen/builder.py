@@ -849,13 +849,16 @@ def build(program: hir.HostProgram, source: str | None = None) -> CompiledOp:
 
 def compile(fusion: Any, *, pool_size: int = 4,  # noqa: A001 - public API
             gemm_sm_count: int = 0, gemm_library: str = "cublaslt",
-            copy_stream: bool = False, staging: str = "slots") -> CompiledOp:
+            copy_stream: bool = False, staging: str = "slots",
+            split_contraction: bool = False) -> CompiledOp:
     """Lower, render, build and load ``fusion`` as a torch op. ``gemm_sm_count`` caps the
     SMs of each GEMM (cuBLASLt's SM_COUNT_TARGET; 0 = all); ``gemm_library="cublas"``
     calls cublasGemmEx instead of cached cuBLASLt plans (the default); ``copy_stream``
     queues host-to-device copies on one stream; ``staging="ring"`` lands them in the
-    thread's staging ring, ahead of the caller's stream (see ``lower``)."""
+    thread's staging ring, ahead of the caller's stream; ``split_contraction`` streams a
+    row-major host operand read by column blocks as blocks of rows (see ``lower``)."""
     from .lowering import lower
 
     return build(lower(fusion, pool_size=pool_size, gemm_sm_count=gemm_sm_count,
-                       gemm_library=gemm_library, copy_stream=copy_stream, staging=staging))
+                       gemm_library=gemm_library, copy_stream=copy_stream, staging=staging,
+                       split_contraction=split_contraction))

@@ -235,7 +235,8 @@ class Interpreter(distributed.CommunicationEvaluator):
             self.values[n.out.name] = torch.empty(shape, dtype=n.out.dtype,
                                                   pin_memory=n.pinned and self.streams.cuda)
             return
-        self.values[n.out.name] = torch.empty(shape, dtype=n.out.dtype, device=self.device)
+        make = torch.zeros if n.zeroed else torch.empty
+        self.values[n.out.name] = make(shape, dtype=n.out.dtype, device=self.device)
 
     def Deallocate(self, n: hir.Deallocate) -> None:
         del self.values[n.tensor]
@@ -300,14 +301,23 @@ class Interpreter(distributed.CommunicationEvaluator):
     def Compute(self, n: hir.Compute) -> None:
         """One op (or a fused expression) into ``out``: a GEMM by its definition's torch
         call, then its epilogue in place; a pointwise expression computed in its compute
-        dtype (fp32 for half types) and rounded once into ``out``, as the kernel does."""
+        dtype (fp32 for half types) and rounded once into ``out``, as the kernel does. An
+        accumulating GEMM adds its product, computed in the compute dtype, onto ``out``
+        and rounds the sum once, as cuBLAS does with beta = 1."""
         out = self.values[n.out]
         gemm = n.gemm
         if gemm is None:
             out.copy_(self.pointwise(n.expr, ops.compute_dtype(self.dtypes(n))))
             return
-        gemm.defn.evaluate({k: self.values[v] for k, v in gemm.operands().items()}, out,
-                           dict(gemm.attrs))
+        operands = {k: self.values[v] for k, v in gemm.operands().items()}
+        if n.accumulate:
+            dtype = ops.compute_dtype([out.dtype])
+            product = torch.empty(out.shape, dtype=dtype, device=out.device)
+            gemm.defn.evaluate({k: v.to(dtype) for k, v in operands.items()}, product,
+                               dict(gemm.attrs))
+            out.copy_(out.to(dtype) + product)
+            return
+        gemm.defn.evaluate(operands, out, dict(gemm.attrs))
         if n.epilogue is not None:
             out.copy_(self.pointwise(dataclasses.replace(n.epilogue, args=(n.out,)),
                                      ops.compute_dtype([out.dtype])))

@@ -146,18 +146,24 @@ class Node:
 @dataclasses.dataclass(eq=False)
 class Allocate(Node):
     """A new tensor on ``out.device``; ``pinned`` host memory (page-locked, so copies to
-    and from the GPU run asynchronously on a stream) for host outputs."""
+    and from the GPU run asynchronously on a stream) for host outputs; ``zeroed``: filled
+    with zeros on the current stream (the start of a sum that slices accumulate into)."""
 
     out: TensorInfo
     pinned: bool = False
+    zeroed: bool = False
 
     def defines(self) -> list[str]:
         return [self.out.name]
 
+    def writes(self) -> list[str]:
+        return [self.out.name] if self.zeroed else []
+
     def __str__(self) -> str:
         where = f", device={self.out.device}" if self.out.device != "cuda" else ""
         pinned = ", pinned=True" if self.pinned else ""
-        return f"{self.out.name} = Allocate({self.out.type_str()}{where}{pinned})"
+        zeroed = ", zeroed=True" if self.zeroed else ""
+        return f"{self.out.name} = Allocate({self.out.type_str()}{where}{pinned}{zeroed})"
 
 
 @dataclasses.dataclass(eq=False)
@@ -291,16 +297,21 @@ class Compute(Node):
     root of ``expr`` (``Matmul``, ``Linear``, ``Silu``, ... see ``node_class``), so
     ``isinstance(n, hostir.Matmul)`` reads as the dump does.
 
+    ``accumulate``: the GEMM adds its product onto ``out`` instead of overwriting it
+    (``Matmul(T0_i, T1_s, out=T2, accumulate=True)``: a contraction split over the slices
+    of a stream loop, ``out`` zeroed by its Allocate).
+
     Built either from an expression, ``Compute.of(expr, out)``, or as one op applied to
     values, ``Matmul("T2_i", "T0", "T1_i")`` (out first, then the operands in the
     definition's order, attributes by keyword)."""
 
     out: str
     expr: Apply
+    accumulate: bool
     defn: ClassVar[ops.OpDef | None] = None  # the root op of the class's nodes
 
     def __init__(self, out: str, *args: str | None, expr: Apply | None = None,
-                 **attrs: object) -> None:
+                 accumulate: bool = False, **attrs: object) -> None:
         if expr is None:
             if self.defn is None:
                 raise InternalError("Compute needs expr= or a node class of one op")
@@ -308,11 +319,13 @@ class Compute(Node):
             if set(attrs) - set(names):
                 raise InternalError(f"{self.defn.node}: unknown attributes {sorted(attrs)}")
             expr = Apply(self.defn.name, args, tuple((k, attrs[k]) for k in names if k in attrs))
-        self.out, self.expr = out, expr
+        if accumulate and (not expr.defn.is_gemm or "bias" in expr.operands()):
+            raise InternalError(f"{expr}: only a GEMM without bias accumulates")
+        self.out, self.expr, self.accumulate = out, expr, accumulate
 
     @staticmethod
-    def of(expr: Apply, out: str) -> Compute:
-        return NODE_CLASSES[expr.op](out, expr=expr)
+    def of(expr: Apply, out: str, accumulate: bool = False) -> Compute:
+        return NODE_CLASSES[expr.op](out, expr=expr, accumulate=accumulate)
 
     def __getattr__(self, name: str) -> str | Apply | None:
         """The root op's operands by name (``node.a``, ``node.bias``: None if absent)."""
@@ -325,13 +338,14 @@ class Compute(Node):
         return [*self.expr.leaves(), self.out]
 
     def reads(self) -> list[str]:
-        return self.expr.leaves()
+        return [*self.expr.leaves(), *([self.out] if self.accumulate else [])]
 
     def writes(self) -> list[str]:
         return [self.out]
 
     def renamed(self, mapping: Mapping[str, str]) -> Compute:
-        return Compute.of(self.expr.renamed(mapping), mapping.get(self.out, self.out))
+        return Compute.of(self.expr.renamed(mapping), mapping.get(self.out, self.out),
+                          self.accumulate)
 
     @property
     def gemm(self) -> Apply | None:
@@ -347,7 +361,8 @@ class Compute(Node):
         return self.expr if self.gemm is not None and self.expr.defn.is_pointwise else None
 
     def __str__(self) -> str:
-        return f"{self.expr.defn.node}({', '.join([*self.expr.parts(), f'out={self.out}'])})"
+        acc = ["accumulate=True"] if self.accumulate else []
+        return f"{self.expr.defn.node}({', '.join([*self.expr.parts(), f'out={self.out}', *acc])})"
 
 
 def node_class(defn: ops.OpDef) -> type[Compute]:
@@ -487,13 +502,13 @@ class Event:
     got later (what ``Synchronize`` waits for)."""
 
     name: str
-    slot: Stream  # which event of the array: the staging slot it guards
+    slot: Stream | int  # which event of the array: the staging slot it guards, or a fixed one
 
     def position_str(self) -> str:
-        return self.slot.slot_str()
+        return str(self.slot) if isinstance(self.slot, int) else self.slot.slot_str()
 
     def position(self, env: Mapping[str, int]) -> int:
-        return self.slot.slot(env)
+        return self.slot if isinstance(self.slot, int) else self.slot.slot(env)
 
     def __str__(self) -> str:
         return f"{self.name}[{self.position_str()}]"
@@ -569,6 +584,7 @@ class HostProgram:
     gemm_library: str = "cublaslt"  # one of GEMM_LIBRARIES
     copy_stream: bool = False  # host-to-device copies on one stream (queue_copies_in)
     staging: str = "slots"  # one of STAGINGS: where streamed host slices land on the GPU
+    split_contraction: bool = False  # column blocks of host operands streamed as row blocks
     # The user's fusion this program was lowered from, for its backward (codegen.autograd);
     # None for a program with no backward (a backward itself). Not part of the program:
     # its nodes say everything it runs, so the digest and equality leave it out.
@@ -600,6 +616,8 @@ class HostProgram:
             options.append("copy_stream")
         if self.staging != "slots":
             options.append(f"staging={self.staging}")
+        if self.split_contraction:
+            options.append("split_contraction")
         shown = f" [{', '.join(options)}]" if options else ""
         return f"HostProgram {self.name}({args}) -> ({', '.join(self.outputs)}){shown}:"
 
@@ -752,6 +770,44 @@ def assign_streams(program: HostProgram) -> HostProgram:
         return [dataclasses.replace(loop, body=body)]
 
     return _map_stream_loops(program, assign)
+
+
+def order_accumulation(program: HostProgram) -> HostProgram:
+    """Orders the slices of a contraction split over a stream loop: a GEMM that adds its
+    slice's product onto ``out`` (``accumulate=True``) runs after the previous slice's,
+    which another worker queued.
+
+    Before:  for i in range(0, 8) [Stream]:
+               SetCurrentStream(Stream(i % 4)); ...
+               Matmul(T0_i, T1_s, out=T2, accumulate=True)
+    After:   T2_sum = CreateEvents(1)
+             for i in range(0, 8) [Stream]:
+               SetCurrentStream(Stream(i % 4)); ...
+               WaitEvent(T2_sum[0])
+               Matmul(T0_i, T1_s, out=T2, accumulate=True)
+               RecordEvent(T2_sum[0])
+    One event per sum: slice i's GEMM waits for the last record, slice i - 1's GEMM (the
+    first waits for nothing), and for nothing else its worker queued (the copies of the
+    next slices, a copy out) so those keep running under the sum. A loop on the caller's
+    stream (``on_caller_stream``) is in order already and is left alone."""
+    pool = program.pool_size
+
+    def order(loop: ForLoop) -> list[Node]:
+        sums = [n for n in loop.body if isinstance(n, Compute) and n.accumulate]
+        if not sums or on_caller_stream(loop, pool):
+            return [loop]
+        made: list[Node] = []
+        body: list[Node] = []
+        for n in loop.body:
+            if any(n is c for c in sums):
+                event = Event(f"{n.out}_sum", 0)
+                made.append(CreateEvents(event.name, Const(1)))
+                body += [WaitEvent(event), n, RecordEvent(event)]
+            else:
+                body.append(n)
+        return [*made, dataclasses.replace(loop, body=body)]
+
+    return _map_stream_loops(program, order)
 
 
 def _loop_worker(loop: ForLoop) -> Stream | None:
@@ -1512,6 +1568,7 @@ HOSTIR_PASSES: tuple[HostPass, ...] = (
     fuse_pointwise,
     stage_host_tensors,
     assign_streams,
+    order_accumulation,
     queue_copies_in,
     hoist_staging,
     stage_in_ring,

@@ -35,7 +35,7 @@ def _dump(title: str, text: str) -> None:
 
 def lower(fusion: Fusion, *, pool_size: int = 4, gemm_sm_count: int = 0,
           gemm_library: str = "cublaslt", copy_stream: bool = False,
-          staging: str = "slots") -> hir.HostProgram:
+          staging: str = "slots", split_contraction: bool = False) -> hir.HostProgram:
     """Runs the fusion passes on a copy of ``fusion``, builds the host program and runs the
     host-IR passes. ``pool_size`` (1 to ``MAX_POOL_SIZE``) bounds the number of worker
     streams; ``gemm_sm_count`` (0 = all) caps the SMs each GEMM may use, leaving the rest
@@ -50,7 +50,10 @@ def lower(fusion: Fusion, *, pool_size: int = 4, gemm_sm_count: int = 0,
     eagerly (a program staged in the ring refuses CUDA graph capture). Its host inputs
     must be complete when it is called: nothing orders its copies after work queued on the
     caller's stream (a pinned tensor filled by a non-blocking copy from the GPU must be
-    synchronized first)."""
+    synchronized first). ``split_contraction`` streams a row-major host operand that a
+    matmul reads by column blocks (strided 2-D copies) by blocks of rows instead, the
+    loop splitting the contraction and each slice accumulating onto the output
+    (``passes.split_contractions``)."""
     if not isinstance(fusion, Fusion):
         raise ScheduleError(f"lower expects a cg.Fusion, got {type(fusion).__name__}")
     if isinstance(pool_size, bool) or not isinstance(pool_size, int) or pool_size < 1:
@@ -69,6 +72,9 @@ def lower(fusion: Fusion, *, pool_size: int = 4, gemm_sm_count: int = 0,
                             f"(cublasGemmEx has no SM budget), got gemm_library={gemm_library!r}")
     if not isinstance(copy_stream, bool):
         raise ScheduleError(f"lower: copy_stream must be True or False, got {copy_stream!r}")
+    if not isinstance(split_contraction, bool):
+        raise ScheduleError(f"lower: split_contraction must be True or False, got "
+                            f"{split_contraction!r}")
     if staging not in hir.STAGINGS:
         choices = ", ".join(map(repr, hir.STAGINGS))
         raise ScheduleError(f"lower: staging must be one of {choices}, got {staging!r}")
@@ -87,10 +93,13 @@ def lower(fusion: Fusion, *, pool_size: int = 4, gemm_sm_count: int = 0,
             if "ir" in dump:
                 _dump(f"ir after {fusion_pass.__name__}", str(work))
         segments = passes.segment(work)
+        if split_contraction:
+            segments = passes.split_contractions(work, segments)
         plan = passes.plan_allocations(work, segments)
         program = hir.verify(passes.build_host_program(work, segments, plan, pool_size))
     program = program.replace(gemm_sm_count=gemm_sm_count, gemm_library=gemm_library,
                               copy_stream=copy_stream, staging=staging,
+                              split_contraction=split_contraction,
                               source=None if distributed.is_distributed(work) else fusion.clone())
     if "hostir" in dump:
         _dump("hostir after build_host_program", str(program))

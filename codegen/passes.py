@@ -267,6 +267,9 @@ class Segment:
     split: StreamSplit | None
     # (op position in ops, operand name) -> the axis sliced in the loop
     sliced: dict[tuple[int, str], int] = dataclasses.field(default_factory=dict)
+    # positions of the ops whose contraction is split over the loop: each slice adds its
+    # product onto the whole output
+    accumulate: set[int] = dataclasses.field(default_factory=set)
 
 
 def segment(fusion: Fusion) -> list[Segment]:
@@ -274,7 +277,14 @@ def segment(fusion: Fusion) -> list[Segment]:
     definition order. An op joins the current segment when its output is split the same
     way and every operand produced earlier in the segment is read slice by slice along
     the axis it was produced on ("inlinable"); otherwise it starts a new segment, and its
-    operands produced before are complete (allocated whole) when its loop starts."""
+    operands produced before are complete (allocated whole) when its loop starts.
+
+    One more kind of op joins a loop: a GEMM whose contraction runs along the loop's
+    split and that reads a host input there (``dX = dY @ w`` of a Linear split by output
+    features, ``w`` in host memory). Its slices then stream in like the loop's other host
+    operands, and each slice adds its product onto the whole output
+    (``accumulate``); the alternative, one GEMM after the loop, would copy the host
+    operand whole."""
     segments: list[Segment] = []
     for op in fusion.ops:
         split, slices = stream_split(op.out), dict(stream_group(op))
@@ -283,15 +293,83 @@ def segment(fusion: Fusion) -> list[Segment]:
             produced = {s_op.out: s_i for s_i, s_op in enumerate(cur.ops)}
             same = (split.chain, split.count) == (cur.split.chain, cur.split.count)
             inlinable = same and all(
-                slices.get(name) == cur.sliced[(produced[t], "out")]
-                for name, t in op.operands().items() if t in produced
+                p not in cur.accumulate and slices.get(name) == cur.sliced[(p, "out")]
+                for name, t in op.operands().items() if (p := produced.get(t)) is not None
             )
             if inlinable:
                 cur.ops.append(op)
                 cur.sliced.update({(len(cur.ops) - 1, n): a for n, a in slices.items()})
                 continue
+        if cur is not None and split is None and cur.split is not None:
+            contracted = _contraction_in_loop(fusion, op, cur)
+            if contracted is not None:
+                cur.ops.append(op)
+                cur.sliced.update({(len(cur.ops) - 1, n): a for n, a in contracted.items()})
+                cur.accumulate.add(len(cur.ops) - 1)
+                continue
         segments.append(Segment([op], split, {(0, n): a for n, a in slices.items()}))
     return segments
+
+
+def _contraction_in_loop(fusion: Fusion, op: Op, cur: Segment) -> dict[str, int] | None:
+    """The operand axes ``op`` (an unsplit GEMM) would slice to join ``cur`` as a sum
+    over the loop's slices, or None: every operand of one of its contractions is read in
+    ``cur`` slice by slice along that axis already (an input another op of the loop
+    slices so, or a result the loop produces sliced so), or is a host input (it then
+    streams in by those slices), and at least one is each. A bias would be added once
+    per slice: an op with one does not join, and neither does an op whose output is in
+    host memory."""
+    if not op.defn.is_gemm or "bias" in op.operands() or op.out.device != "cuda":
+        return None
+    inputs = {id(t) for t in fusion.inputs}
+    in_loop: set[tuple[int, int]] = set()  # (tensor id, axis) read or made sliced in cur
+    for (i, name), axis in cur.sliced.items():
+        if i not in cur.accumulate:
+            t = cur.ops[i].out if name == "out" else cur.ops[i].operands()[name]
+            in_loop.add((id(t), axis))
+    operands = op.operands()
+    for group in op.axes():
+        if not group.reduction:
+            continue
+        members = {n: a for n, a in group.inputs()}
+        tied = [n for n, a in members.items() if (id(operands[n]), a) in in_loop]
+        host = [n for n in members if id(operands[n]) in inputs
+                and operands[n].device == "cpu" and n not in tied]
+        if tied and host and len(tied) + len(host) == len(members):
+            return members
+    return None
+
+
+def split_contractions(fusion: Fusion, segments: list[Segment]) -> list[Segment]:
+    """Streams a host operand by dense blocks instead of strided ones: a loop of one
+    2-D matmul that slices its host input ``b [k, n]`` (row-major) by columns, reading
+    ``a`` whole, is turned into a loop over blocks of the contraction ``k``, each slice
+    adding ``a[:, k_i] @ b[k_i, :]`` onto the whole output (``lower(...,
+    split_contraction=True)``). A column block of a row-major matrix is a 2-D copy of
+    short rows; a block of rows is one dense copy.
+
+    Before:  for i [Stream]: T1_i = ShardByStream(T1, axis=1); T2_i = ShardByStream(T2,
+             axis=1); Matmul(T0, T1_i, out=T2_i)
+    After:   T2 = Allocate(..., zeroed=True)
+             for i [Stream]: T0_i = ShardByStream(T0, axis=1); T1_i = ShardByStream(T1,
+             axis=0); Matmul(T0_i, T1_i, out=T2, accumulate=True)
+    Same slice count (the split's chain applied to ``k``), same staging bytes per slot;
+    each slice also reads and writes the whole output, and a half-precision output is
+    rounded once per slice instead of once."""
+    inputs = {id(t) for t in fusion.inputs}
+    out: list[Segment] = []
+    for seg in segments:
+        if seg.split is not None and len(seg.ops) == 1 and not seg.accumulate:
+            op = seg.ops[0]
+            a, b = op.operands().get("a"), op.operands().get("b")
+            if (op.defn.name == "matmul" and a is not None and b is not None
+                    and a.ndim == 2 and b.ndim == 2 and id(b) in inputs and b.device == "cpu"
+                    and seg.sliced.get((0, "b")) == 1 and (0, "a") not in seg.sliced
+                    and op.out.device == "cuda"):
+                split = _split_on(a, 1, seg.split.chain)
+                seg = Segment([op], split, {(0, "a"): 1, (0, "b"): 0}, {0})
+        out.append(seg)
+    return out
 
 
 @dataclasses.dataclass
@@ -330,11 +408,11 @@ def plan_allocations(fusion: Fusion, segments: list[Segment]) -> AllocationPlan:
 # ---------------------------------------------------------------------------- host IR
 
 
-def _compute_node(op: Op, names: dict[str, str]) -> hir.Node:
+def _compute_node(op: Op, names: dict[str, str], accumulate: bool = False) -> hir.Node:
     """The host-IR node of ``op``, its operands and output named by ``names``."""
     args = tuple(names.get(n) for n in op.defn.operands)
     attrs = tuple((k, op.attrs[k]) for k in op.defn.attrs)
-    return hir.Compute.of(hir.Apply(op.defn.name, args, attrs), names["out"])
+    return hir.Compute.of(hir.Apply(op.defn.name, args, attrs), names["out"], accumulate)
 
 
 def _constraints(fusion: Fusion) -> list[hir.Constraint]:
@@ -372,7 +450,8 @@ def build_host_program(
     body: list[hir.Node] = []
     tensor_names = {t.name for t in fusion.tensors}
     for si, seg in enumerate(segments):
-        body += [hir.Allocate(_info(t)) for t in plan.allocate_before[si]]
+        sums = {id(seg.ops[k].out) for k in seg.accumulate}
+        body += [hir.Allocate(_info(t), zeroed=id(t) in sums) for t in plan.allocate_before[si]]
         if seg.split is None:
             for op in seg.ops:
                 body.append(_compute_node(op, {n: t.name for n, t in op.operands().items()}))
@@ -394,7 +473,7 @@ def build_host_program(
                         chunk = _chain_chunk(t.shape[axis], seg.split.chain)
                         loop_body.append(hir.ShardByStream(view, t.name, axis, "i", chunk))
                     names[n] = views[(t.name, axis)]
-                loop_body.append(_compute_node(op, names))
+                loop_body.append(_compute_node(op, names, oi in seg.accumulate))
             body.append(hir.ForLoop("i", Const(0), seg.split.count, loop_body,
                                     ParallelType.Stream))
         body += [hir.Deallocate(t.name) for t in plan.free_after[si]]

@@ -252,6 +252,8 @@ class _Checker(Interpreter):
         shape = [e.evaluate(self.env) for e in n.out.shape]
         stream = HOST if n.out.device == "cpu" else self.streams.current
         self.buffer(n.out.name, shape, n.out.device, stream, born=self.born(n, stream))
+        if n.zeroed:  # cleared on the allocating stream
+            self.access(n, [], [n.out.name])
 
     def Deallocate(self, n: hir.Deallocate) -> None:
         self.check_free(self.allocated.pop(n.tensor), str(n))

@@ -370,6 +370,8 @@ class _Statements:
         if n.out.name in self.copied_whole:
             return {**fields, "kind": "AllocateLike",
                     "like": self.names(self.copied_whole[n.out.name])}
+        if n.zeroed:
+            return {**fields, "kind": "AllocateZeroed"}
         return fields
 
     def StagingSlot(self, n: hir.StagingSlot) -> dict[str, Any]:
@@ -460,8 +462,9 @@ class _Statements:
 
     def Compute(self, n: hir.Compute) -> dict[str, Any]:
         """A GEMM (``gemms.matmul`` / ``gemms.linear``, its epilogue as an
-        ``rt::Epilogue``) or a pointwise kernel (``rt::pointwise``, the kernel's source
-        declared before the function, see ``_kernel``)."""
+        ``rt::Epilogue``, ``rt::kAccumulate`` when it adds onto out) or a pointwise
+        kernel (``rt::pointwise``, the kernel's source declared before the function, see
+        ``_kernel``)."""
         gemm = n.gemm
         if gemm is None:
             kernel = self.kernel(n)
@@ -479,6 +482,8 @@ class _Statements:
                 raise InternalError(f"{n}: {epilogue.defn.node} has no GEMM epilogue\n"
                                     f"{self.program}")
             args.append(f"rt::Epilogue::{name}")
+        if n.accumulate:
+            args.append("rt::kAccumulate")
         return {"kind": "Gemm", "gemms": self.gemms[self.dtypes[n.out]],
                 "call": gemm.defn.name, "out": self.names(n.out), "args": ", ".join(args),
                 "range": self.range(n)}

@@ -218,6 +218,11 @@ inline void gemm_cublas(const GemmArgs& g, const View& c, const View& a, const V
 
 // ---- the program's GEMMs ------------------------------------------------------------
 
+// A GEMM that adds its product onto out (out += a @ b: one slice of a contraction split
+// over a stream loop) instead of overwriting it.
+struct Accumulate {};
+inline constexpr Accumulate kAccumulate{};
+
 // One call's GEMMs: the types and flags are read once per call. With cuBLASLt (the
 // program's gemm_library, the default), each GEMM runs as one cublasLtMatmul from a
 // cached plan (gemm_plan.h) with its stream's workspace (stream.h), a bias fused as its
@@ -240,6 +245,11 @@ class Gemms {
     gemm(out, a, b, nullptr, epilogue, stream);
   }
 
+  void matmul(const View& out, const View& a, const View& b, Accumulate,
+              const Stream& stream) {
+    gemm(out, a, b, nullptr, Epilogue::None, stream, /*accumulate=*/true);
+  }
+
   // out = epilogue(x @ w^T (+ bias))
   void linear(const View& out, const View& x, const View& w, const Stream& stream) {
     gemm(out, x, transposed(w), nullptr, Epilogue::None, stream);
@@ -247,6 +257,10 @@ class Gemms {
   void linear(const View& out, const View& x, const View& w, Epilogue epilogue,
               const Stream& stream) {
     gemm(out, x, transposed(w), nullptr, epilogue, stream);
+  }
+  void linear(const View& out, const View& x, const View& w, Accumulate,
+              const Stream& stream) {
+    gemm(out, x, transposed(w), nullptr, Epilogue::None, stream, /*accumulate=*/true);
   }
   void linear(const View& out, const View& x, const View& w, const View& bias,
               const Stream& stream) {
@@ -266,6 +280,10 @@ class Gemms {
                  const Stream& stream) {
     gemm(out, transposed(a), b, nullptr, epilogue, stream);
   }
+  void matmul_tn(const View& out, const View& a, const View& b, Accumulate,
+                 const Stream& stream) {
+    gemm(out, transposed(a), b, nullptr, Epilogue::None, stream, /*accumulate=*/true);
+  }
 
   // out = epilogue(a @ b^T), a [B?, M, K], b [B?, N, K]: a batched matmul's da.
   void matmul_nt(const View& out, const View& a, const View& b, const Stream& stream) {
@@ -275,26 +293,20 @@ class Gemms {
                  const Stream& stream) {
     gemm(out, a, transposed(b), nullptr, epilogue, stream);
   }
+  void matmul_nt(const View& out, const View& a, const View& b, Accumulate,
+                 const Stream& stream) {
+    gemm(out, a, transposed(b), nullptr, Epilogue::None, stream, /*accumulate=*/true);
+  }
 
   // out[M, N] = the sum over the batch of a[i]^T @ b[i] (a [B, K, M], b [B, K, N]): the
   // gradient of a weight every batch shares. One GEMM over B * K rows where both fold
   // into rows (a contiguous batch), else one GEMM per batch accumulating into out.
   void matmul_tn_sum(const View& out, const View& a, const View& b, const Stream& stream) {
-    View fa, fb;
-    if (fold_batch(a, &fa) && fold_batch(b, &fb)) {
-      gemm(out, transposed(fa), fb, nullptr, Epilogue::None, stream);
-      return;
-    }
-    for (int64_t i = 0; i < a.sizes[0]; ++i) {
-      const View ai = transposed(batch(a, i)), bi = batch(b, i);
-      if (i == 0) {
-        gemm(out, ai, bi, nullptr, Epilogue::None, stream);
-      } else if (out.sizes[0] > 0 && out.sizes[1] > 0) {
-        test_fault_point(op_);
-        gemm_cublas(gemm_args(out, ai, bi, op_), out, ai, bi, type_, /*accumulate=*/true,
-                    op_);
-      }
-    }
+    tn_sum(out, a, b, stream, /*accumulate=*/false);
+  }
+  void matmul_tn_sum(const View& out, const View& a, const View& b, Accumulate,
+                     const Stream& stream) {
+    tn_sum(out, a, b, stream, /*accumulate=*/true);
   }
 
   // out[N] = the sum of x's rows (x [B?, M, N]: every row of every batch): a row of ones
@@ -309,6 +321,25 @@ class Gemms {
   }
 
  private:
+  void tn_sum(const View& out, const View& a, const View& b, const Stream& stream,
+              bool accumulate) {
+    View fa, fb;
+    if (fold_batch(a, &fa) && fold_batch(b, &fb)) {
+      gemm(out, transposed(fa), fb, nullptr, Epilogue::None, stream, accumulate);
+      return;
+    }
+    for (int64_t i = 0; i < a.sizes[0]; ++i) {
+      const View ai = transposed(batch(a, i)), bi = batch(b, i);
+      if (i == 0) {
+        gemm(out, ai, bi, nullptr, Epilogue::None, stream, accumulate);
+      } else if (out.sizes[0] > 0 && out.sizes[1] > 0) {
+        test_fault_point(op_);
+        gemm_cublas(gemm_args(out, ai, bi, op_), out, ai, bi, type_, /*accumulate=*/true,
+                    op_);
+      }
+    }
+  }
+
   // x [M, N] summed over its rows into out [N], or onto out (accumulate).
   void sum_rows_2d(const View& out, const View& x, bool accumulate, const Stream& stream) {
     const int64_t M = x.sizes[0], N = x.sizes[1];
@@ -365,19 +396,21 @@ class Gemms {
   // applies the epilogue to the fp32 result before rounding; every other path applies it
   // afterwards, in place, with a pointwise kernel (one rounding more).
   void gemm(const View& c, const View& a, const View& b, const View* bias, Epilogue epilogue,
-            const Stream& stream) {
-    if (gemm_into(c, a, b, bias, epilogue, stream)) return;
+            const Stream& stream, bool accumulate = false) {
+    if (gemm_into(c, a, b, bias, epilogue, stream, accumulate)) return;
     if (epilogue != Epilogue::None) apply_epilogue(epilogue, dtype_, c, stream, op_);
   }
 
   // The GEMM; true when its epilogue ran with it (cuBLASLt), false when it is still to run.
+  // Accumulating (c += a @ b; no bias, no epilogue), an empty contraction adds nothing.
   bool gemm_into(const View& c, const View& a, const View& b, const View* bias,
-                 Epilogue epilogue, const Stream& stream) {
+                 Epilogue epilogue, const Stream& stream, bool accumulate = false) {
     const char* op = op_;
     const int64_t M = c.sizes[c.dim - 2], N = c.sizes[c.dim - 1];
     const int64_t K = a.sizes[a.dim - 1];
     const int64_t batches = c.dim == 3 ? c.sizes[0] : 1;
     if (M == 0 || N == 0 || batches == 0) return true;  // an empty slice: nothing to do
+    if (accumulate && K == 0) return true;
     test_fault_point(op);
     if (K == 0 && bias == nullptr) {  // a sum over nothing: zeros
       const int64_t ldc = M <= 1 ? N : c.strides[c.dim - 2];
@@ -393,11 +426,11 @@ class Gemms {
     if (K > 0) {
       g = gemm_args(c, a, b, op);
       if (cublaslt_ && stream.workspace != nullptr && fusable(bias) &&
-          gemm_lt(g, c, a, b, bias, epilogue, stream)) {
+          gemm_lt(g, c, a, b, bias, epilogue, stream, accumulate)) {
         return true;
       }
       if (bias == nullptr) {
-        gemm_cublas(g, c, a, b, type_, /*accumulate=*/false, op);
+        gemm_cublas(g, c, a, b, type_, accumulate, op);
         return false;
       }
     }
@@ -438,7 +471,7 @@ class Gemms {
   // c = a @ b (+ bias) as one cublasLtMatmul from a cached plan (gemm_plan.h); false
   // where there is no plan, for cublasGemmEx to take.
   bool gemm_lt(const GemmArgs& g, const View& c, const View& a, const View& b,
-               const View* bias, Epilogue epilogue, const Stream& stream);
+               const View* bias, Epilogue epilogue, const Stream& stream, bool accumulate);
 
   DType dtype_;
   int32_t device_;

@@ -236,12 +236,13 @@ inline int lt_epilogue(Epilogue epilogue, bool bias) {
   return 0;
 }
 
-// c = epilogue(a @ b (+ bias)) as one cublasLtMatmul on `stream` with its workspace. In cuBLASLt's
-// terms (column-major D = op(A) op(B) + bias): A is b, B is a, D is c^T, bias has one
-// value per row of D. False when there is no plan (graph capture of a new shape, the
+// c = epilogue(a @ b (+ bias)), or c += a @ b (beta 1), as one cublasLtMatmul on `stream`
+// with its workspace. In cuBLASLt's terms (column-major D = op(A) op(B) + bias): A is b,
+// B is a, D is c^T, bias has one value per row of D. False when there is no plan (graph capture of a new shape, the
 // cache full, no algorithm, an operand shared by every batch): cublasGemmEx then runs it.
 inline bool Gemms::gemm_lt(const GemmArgs& g, const View& c, const View& a, const View& b,
-                           const View* bias, Epilogue epilogue, const Stream& stream) {
+                           const View* bias, Epilogue epilogue, const Stream& stream,
+                           bool accumulate) {
   const char* op = op_;
   if (g.batch > 1 && (g.sa == 0 || g.sb == 0)) return false;
   Workspace& ws = *stream.workspace;
@@ -288,7 +289,7 @@ inline bool Gemms::gemm_lt(const GemmArgs& g, const View& c, const View& a, cons
     last_plan = plan;
   }
   if (!plan->usable) return false;
-  const Scalar alpha{1.f, 1.0}, beta{0.f, 0.0};
+  const Scalar alpha{1.f, 1.0}, beta{accumulate ? 1.f : 0.f, accumulate ? 1.0 : 0.0};
   std::unique_lock<std::mutex> lock;  // the bias pointer is set on the shared descriptor
   if (bias != nullptr) {
     lock = std::unique_lock<std::mutex>(plan->bias_mutex);

@@ -174,6 +174,18 @@ Buffer empty(const int64_t (&sizes)[N], DType dtype, int32_t device, const char*
                         });
 }
 
+// A new contiguous tensor of zeros: allocated like `empty`, cleared on `stream` (the
+// start of a sum that a loop's slices accumulate into).
+template <size_t N>
+Buffer zeros(const int64_t (&sizes)[N], DType dtype, int32_t device, cudaStream_t stream,
+             const char* op) {
+  Buffer b = empty(sizes, dtype, device, op);
+  int64_t bytes = b.itemsize;
+  for (size_t d = 0; d < N; ++d) bytes *= sizes[d];
+  if (bytes > 0) check_cuda(cudaMemsetAsync(b.data, 0, bytes, stream), op, "cudaMemsetAsync");
+  return b;
+}
+
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 // Slice `index` of `v` along `axis`: [index*chunk, min((index+1)*chunk, n)), clamped to

@@ -1,0 +1,187 @@
+"""A contraction split over a stream loop, each slice accumulating onto the whole output:
+a row-major host weight read by blocks of rows (``lower(..., split_contraction=True)``)
+and the input gradient of a host weight streamed in by slices. The host IR, the
+evaluator against torch, the stream-order checker (a missing wait and a missing zeroing
+caught), the C++ and its build, and bad options."""
+
+import dataclasses
+import random
+
+import pytest
+import torch
+from conftest import ints
+
+import codegen as cg
+from codegen import autograd, examples, races
+from codegen import hostir as hir
+
+SIGNATURE = ("HostProgram stream_weights(T0: float32[m, k], T1: float32[k, n] device=cpu) "
+             "-> (T2) [split_contraction]:")
+SPLIT_K = SIGNATURE + """
+  main_stream = GetCurrentStream()
+  T2 = Allocate(float32[m, n], zeroed=True)
+  T1_stage = Allocate(float32[4, ceilDiv(k, 8), n])
+  T2_sum = CreateEvents(1)
+  for j in range(0, 4):
+    SetCurrentStream(Stream(j))
+    Synchronize(main_stream)
+  for i in range(0, 8) [Stream]:
+    SetCurrentStream(Stream(i % 4))
+    T0_i = ShardByStream(T0, axis=1, index=i, chunk=ceilDiv(k, 8))
+    T1_i = ShardByStream(T1, axis=0, index=i, chunk=ceilDiv(k, 8))
+    T1_s = StagingSlot(T1_stage, slot=i % 4, like=T1_i)
+    Copy(T1_i, out=T1_s)
+    WaitEvent(T2_sum[0])
+    Matmul(T0_i, T1_s, out=T2, accumulate=True)
+    RecordEvent(T2_sum[0])
+  SetCurrentStream(main_stream)
+  for j in range(0, 4):
+    Synchronize(Stream(j))
+  Deallocate(T1_stage)
+  return T2"""
+
+
+def split_k(slices=8, dtype=torch.float32, **options):
+    return cg.lower(examples.stream_weights(dtype, slices), split_contraction=True, **options)
+
+
+def test_split_contraction_prints_as_expected():
+    """The loop slices x by columns and w by rows (dense blocks), the output is zeroed
+    and whole, and each slice's GEMM waits for the previous slice's."""
+    assert str(split_k()) == SPLIT_K
+
+
+def test_the_option_is_off_by_default_and_only_takes_matching_loops():
+    plain = cg.lower(examples.stream_weights(torch.float32, 8))
+    assert not plain.split_contraction and "accumulate" not in str(plain)
+    # rows of x in host memory: nothing is read by column blocks
+    rows = cg.lower(examples.offload_activations(torch.float32, 4), split_contraction=True)
+    assert "accumulate" not in str(rows)
+    # a weight on the GPU, and a loop of more than the one GEMM (an activation after it)
+    with cg.Fusion("gpu_w") as f:
+        cg.output(cg.matmul(cg.input(["m", "k"]), cg.input(["k", "n"])))
+    f.outputs[0].outer_split(1, 4)
+    f.outputs[0].axis(1).parallelize(cg.ParallelType.Stream)
+    assert "accumulate" not in str(cg.lower(f, split_contraction=True))
+    with cg.Fusion("relu_after") as f:
+        y = cg.relu(cg.matmul(cg.input(["m", "k"]), cg.input(["k", "n"], device="cpu")))
+        cg.output(y)
+    y.outer_split(1, 4)
+    y.axis(1).parallelize(cg.ParallelType.Stream)
+    assert "accumulate" not in str(cg.lower(f, split_contraction=True))
+
+
+def test_bad_option_is_named():
+    with pytest.raises(cg.ScheduleError, match=r"lower: split_contraction must be True or "
+                                               r"False, got 'yes'"):
+        cg.lower(examples.stream_weights(torch.float32, 4), split_contraction="yes")
+
+
+@pytest.mark.parametrize("seed", range(24))
+def test_random_sizes_and_options_are_exact_and_ordered(seed):
+    """Ragged and empty slices (k not a multiple of S, k < S), every staging, pool sizes
+    that reuse slots: exact on integers and stream-ordered."""
+    rng = random.Random(seed)
+    slices, pool = rng.choice([1, 2, 3, 5, 8]), rng.choice([1, 2, 4])
+    staging, copy_stream = rng.choice([("slots", False), ("slots", True), ("ring", True)])
+    m, k, n = rng.randint(1, 9), rng.randint(1, 23), rng.randint(1, 9)
+    program = split_k(slices, pool_size=pool, copy_stream=copy_stream, staging=staging)
+    torch.manual_seed(seed)
+    x, w = ints(m, k), ints(k, n)
+    races.check(program, [x, w])
+    (y,) = cg.evaluate(program, [x, w])
+    assert torch.equal(y, x @ w)
+
+
+def test_half_precision_rounds_once_per_slice():
+    """bf16: each slice's sum is rounded to bf16 (beta = 1 on a bf16 output), so the error
+    grows with S, but stays within a few roundings of fp32."""
+    torch.manual_seed(0)
+    x, w = torch.randn(16, 256).bfloat16(), torch.randn(256, 24).bfloat16()
+    (y,) = cg.evaluate(split_k(8, torch.bfloat16), [x, w])
+    ref = x.double() @ w.double()
+    assert ((y.double() - ref).norm() / ref.norm()).item() < 2e-2
+
+
+def _without(program, drop):
+    def walk(nodes):
+        out = []
+        for n in nodes:
+            if drop(n):
+                continue
+            if isinstance(n, hir.ForLoop):
+                n = dataclasses.replace(n, body=walk(n.body))
+            out.append(n)
+        return out
+
+    return program.replace(body=walk(program.body))
+
+
+def test_a_missing_wait_between_slices_is_caught():
+    program = _without(split_k(4, pool_size=2), lambda n: isinstance(n, hir.WaitEvent))
+    with pytest.raises(cg.InternalError, match=r"write after write on T2 .* Matmul\(T0_i, "
+                                               r"T1_s, out=T2, accumulate=True\) on Stream\(1\)"):
+        races.check(program, [ints(3, 8), ints(8, 5)])
+
+
+def test_a_sum_that_is_not_zeroed_is_caught():
+    def unzeroed(n):
+        return dataclasses.replace(n, zeroed=False) if isinstance(n, hir.Allocate) else n
+
+    program = split_k(4)
+    program = program.replace(body=[unzeroed(n) for n in program.body])
+    with pytest.raises(cg.InternalError, match=r"uninitialized read on T2"):
+        races.check(program, [ints(3, 8), ints(8, 5)])
+
+
+# ---------------------------------------------------------------------------- backward
+
+
+def _host_linear_backward(slices=4, pool=4, **options):
+    program = cg.lower(examples.offload_linear(torch.float32, slices, False, name="ol"),
+                       pool_size=pool, **options)
+    g = autograd.derive(program.source, (True, True))
+    return cg.lower(g.backward, pool_size=pool, **options)
+
+
+def test_input_gradient_streams_the_host_weight_in_slices():
+    """dX = dY @ w contracts the split axis: it joins the loop and streams w by the
+    forward's slices (dense row blocks of w [n, k]) instead of copying it whole."""
+    program = _host_linear_backward()
+    text = str(program)
+    assert "grad_x = Allocate(float32[m, k], zeroed=True)" in text
+    assert "Matmul(grad_T2_i, w_s, out=grad_x, accumulate=True)" in text
+    assert "w_i = ShardByStream(w, axis=0, index=i, chunk=ceilDiv(n, 4))" in text
+    gpu_allocs = [n.out for n in program.nodes() if isinstance(n, hir.Allocate)
+                  and n.out.device == "cuda"]
+    assert not [t for t in gpu_allocs if t.shape == program.inputs[1].shape], gpu_allocs
+
+
+@pytest.mark.parametrize("pool,options", [(4, {}), (2, {}), (2, {"copy_stream": True}),
+                                          (2, {"staging": "ring"}), (1, {})])
+def test_host_weight_gradients_are_exact_and_ordered(pool, options):
+    program = _host_linear_backward(4, pool, **options)
+    torch.manual_seed(pool)
+    x, w, dy = ints(6, 5), ints(9, 5), ints(6, 9)
+    races.check(program, [x, w, dy])
+    gx, gw = cg.evaluate(program, [x, w, dy])
+    assert torch.equal(gx, dy @ w) and torch.equal(gw, dy.t() @ x)
+
+
+def test_llama_with_host_weights_sums_its_input_gradients_in_the_loop():
+    program = cg.lower(examples.llama_mlp(torch.float32, 3, weights="cpu"))
+    g = autograd.derive(program.source, (True,) * 4)
+    sums = [n for n in cg.lower(g.backward).nodes() if isinstance(n, hir.Compute)
+            and n.accumulate]
+    assert sorted(n.expr.args[1] for n in sums) == ["w_gate_s", "w_up_s"]
+
+
+# ---------------------------------------------------------------------------- C++
+
+
+def test_cpp_zeroes_the_sum_and_accumulates(cache_dir):
+    op = cg.build(split_k(4))
+    assert "rt::zeros({m, n}, rt::DType::Float32, device, streams.current().handle, op)" \
+        in op.source
+    assert "gemms.matmul(T2, T0_i, T1_s, rt::kAccumulate, streams.current());" in op.source
+    assert op.host_ir.split_contraction and "[split_contraction]" in str(op.host_ir)
