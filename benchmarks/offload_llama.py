@@ -25,12 +25,26 @@ changes a model in place):
   preallocated GPU buffer, back to back on one stream (the floor).
 
 ``--tokens``: prefills of that many tokens (no KV cache); 1 is the decode step instead:
-one token after a 512-token prompt, with a KV cache (``DecodeStep``), for codegen,
-prefetch, gpu and copy. Each step times its variants in rounds after a warm-up, every
-variant once per round in a rotated order, the device synchronized before each block
-(a variant's side-stream copies must not run under the next variant's block), several
-forwards back to back per block; ms is the median over rounds, the ratios the medians of
-per-round ratios to the copy floor and to accelerate.
+one token after a 512-token prompt, with a KV cache (``DecodeStep``: a ``DynamicCache``,
+each call eager), for codegen, prefetch, gpu and copy. Where codegen is timed, the decode
+step also has the row
+
+- codegen_graph: codegen's model (the same arena) decoding the same token at the same
+  position from a CUDA graph, replayed per call (``GraphDecodeStep``). A graph needs a
+  ``StaticCache`` (``benchmarks.common.StaticDecodeStep``: keys and values preallocated
+  for prompt + 1 positions and written in place, so the attention reads as many
+  positions as the eager step's) and captures offload()'s per-call staging (the staging
+  ring's copies run ahead across calls, which a graph cannot capture). Next to codegen
+  it shows a decode step without host launches, but also without the prefetch across
+  Linears. The eager rows keep generation's ``DynamicCache``: its concatenation of the
+  513 positions' keys and values (about 8 MiB a step) is small beside the weights'
+  copies.
+
+Each step times its variants in rounds after a warm-up, every variant once per round in
+a rotated order, the device synchronized before each block (a variant's side-stream
+copies must not run under the next variant's block), several forwards back to back per
+block; ms is the median over rounds, the ratios the medians of per-round ratios to the
+copy floor and to accelerate.
 
 gpu_mib: the forward's peak GPU memory above what was allocated before it
 (``torch.cuda.max_memory_allocated`` after ``reset_peak_memory_stats``), plus what the
@@ -38,11 +52,16 @@ variant keeps allocated between forwards beyond its resident model (prefetch's b
 sets, the copy floor's buffers, whatever offload() keeps); the KV cache of the decode
 step's prompt is not counted. host_mib: pinned host memory the variant holds for the
 offloaded weights (offload()'s registered arena plus pinned-allocator growth while the
-variant was set up; accelerate's host copies are pageable, so it holds none).
+variant was set up; accelerate's host copies are pageable, so it holds none). For
+codegen_graph, gpu_mib is codegen's kept bytes plus the graph's memory pool (the GPU
+memory its capture reserved) plus a replay's peak (none: a replay allocates nothing);
+host_mib is codegen's arena.
 
-Writes offload_llama.json (rows: tokens, step, kv_cache, variant, ms, ratio_copy,
-ratio_accelerate, gpu_mib, host_mib) to --out and prints the table. Needs a CUDA GPU
-(``--dry-run`` does not: it prints what would run).
+Writes offload_llama.json (rows: tokens, step, kv_cache, cache, graph, variant, ms,
+ratio_copy, ratio_accelerate, gpu_mib, host_mib; cache is the decode step's KV cache,
+"dynamic" or "static", None in a prefill and for the copy floor; graph whether the row
+replays a CUDA graph) to --out and prints the table. Needs a CUDA GPU (``--dry-run`` does
+not: it prints what would run).
 """
 
 from __future__ import annotations
@@ -69,8 +88,11 @@ import codegen.nn
 from benchmarks.common import (
     RESULTS,
     Block,
+    StaticDecodeStep,
     bind,
     build,
+    cache_keyword,
+    capture_graph,
     estimate_ms,
     is_decoder_linear,
     llama_config,
@@ -83,6 +105,7 @@ from benchmarks.common import (
 
 VARIANTS = ("codegen", "codegen_noprefetch", "accelerate", "prefetch", "gpu", "copy")
 DECODE_VARIANTS = ("codegen", "prefetch", "gpu", "copy")
+GRAPHED = {"codegen_graph": "codegen"}  # a decode row replayed from a CUDA graph: its variant
 DECODE_PROMPT = 512  # tokens in the KV cache of the decode step
 SEED = 0
 SETS = 2  # buffer sets of the hand-written prefetch: the layer that runs, the one copied
@@ -102,13 +125,6 @@ def forward(model: Any, ids: torch.Tensor) -> torch.Tensor:
     """A prefill forward without a KV cache; the logits."""
     with torch.no_grad():
         return model(ids, use_cache=False).logits
-
-
-def cache_keyword(model: Any) -> str:
-    """The forward's KV-cache keyword: ``cache`` in newer transformers releases (where
-    ``past_key_values`` is deprecated), ``past_key_values`` before."""
-    params = inspect.signature(model.forward).parameters
-    return "cache" if "cache" in params else "past_key_values"
 
 
 class DecodeStep:
@@ -144,6 +160,29 @@ class DecodeStep:
             out = self.model(self.token, use_cache=True, **{self.keyword: self.cache})
         self.cache.crop(-1)
         return out.logits
+
+
+class GraphDecodeStep:
+    """``DecodeStep``'s step replayed from a CUDA graph: a ``StaticDecodeStep`` over a
+    cache of prompt + 1 positions, ``token`` at position prompt length, captured once
+    (``capture_graph``: its warm-up calls write the same token at the same position) and
+    replayed per call. Each replay rewrites that position, so every call sees the
+    prompt-long prefix, as ``DecodeStep``'s calls do. ``pool_bytes``: the GPU memory the
+    capture reserved (the graph's memory pool, kept with the graph)."""
+
+    def __init__(self, model: Any, prompt: torch.Tensor, token: torch.Tensor) -> None:
+        self.step = StaticDecodeStep(model, prompt, token, max_len=prompt.shape[1] + 1)
+        gc.collect()
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()  # what stays reserved after the capture is the graph's
+        reserved = torch.cuda.memory_reserved()
+        self.graph, self.logits = capture_graph(self.step)
+        torch.cuda.empty_cache()
+        self.pool_bytes = torch.cuda.memory_reserved() - reserved
+
+    def __call__(self) -> torch.Tensor:
+        self.graph.replay()
+        return self.logits
 
 
 # ---------------------------------------------------------------------------- the prefetch
@@ -461,12 +500,17 @@ def summarize(tokens: int, times: dict[str, list[float]], gpu_mib: dict[str, flo
               host_mib: dict[str, float]) -> list[dict[str, Any]]:
     """The rows of one step: ms is the median over rounds; ratio_copy and
     ratio_accelerate the medians of per-round ratios to the copy floor and to accelerate
-    (None where that variant was not timed). ``tokens`` 1 is the decode step."""
+    (None where that variant was not timed). ``tokens`` 1 is the decode step: cache says
+    which KV cache its model step uses (``GRAPHED`` rows a static one, the others a
+    dynamic one, the copy floor none), graph whether the row replays a CUDA graph."""
     rows = []
     for v, t in times.items():
+        decode = tokens == 1 and v != "copy"
         rows.append({
             "tokens": tokens, "step": "decode" if tokens == 1 else "prefill",
-            "kv_cache": tokens == 1, "variant": v, "ms": statistics.median(t),
+            "kv_cache": tokens == 1,
+            "cache": ("static" if v in GRAPHED else "dynamic") if decode else None,
+            "graph": v in GRAPHED, "variant": v, "ms": statistics.median(t),
             "ratio_copy": median_ratio(t, times["copy"]) if "copy" in times else None,
             "ratio_accelerate": (median_ratio(t, times["accelerate"])
                                  if "accelerate" in times else None),
@@ -497,6 +541,12 @@ def rounds_for(tokens: int, rounds: int) -> int:
 def steps(tokens: Sequence[int], variants: Sequence[str]) -> list[tuple[int, list[str]]]:
     """Each step's token count and variants (the decode step only has DECODE_VARIANTS)."""
     return [(t, [v for v in variants if t != 1 or v in DECODE_VARIANTS]) for t in tokens]
+
+
+def graph_rows(tokens: int, variants: Sequence[str]) -> list[str]:
+    """The rows a step adds that replay a CUDA graph: in the decode step, each ``GRAPHED``
+    row whose variant it times."""
+    return [g for g, v in GRAPHED.items() if tokens == 1 and v in variants]
 
 
 # ---------------------------------------------------------------------------- main
@@ -589,20 +639,39 @@ def set_up_all(variants: Sequence[str], config: Any, shapes: list[list[tuple[int
 
 
 def measure(built: dict[str, Variant], tokens: int, names: Sequence[str], rounds: int,
-            prompt: torch.Tensor, token: torch.Tensor, vocab: int) -> list[dict[str, Any]]:
+            prompt: torch.Tensor, token: torch.Tensor, vocab: int,
+            notes: list[str]) -> list[dict[str, Any]]:
     """One step's rows: a prefill of ``tokens`` random tokens, or for 1 the decode step
-    after ``prompt``; timed in rounds (``timed_rounds``), then one call of each variant
-    for its peak memory."""
+    after ``prompt`` (with its ``graph_rows``: a row that cannot be captured is noted as
+    FAILED, the others still run); timed in rounds (``timed_rounds``), then one call of
+    each variant for its peak memory."""
+    base = {v: v for v in names}  # row -> the variant whose model (and memory) it uses
+    kept = {v: built[v].held_bytes for v in names}
     if tokens == 1:
         calls = {v: built[v].call or DecodeStep(built[v].model, prompt, token)
                  for v in names}
+        for row in graph_rows(tokens, names):
+            v = GRAPHED[row]
+            try:
+                step = GraphDecodeStep(built[v].model, prompt, token)
+            except Exception as e:  # the eager rows are still worth the GPU time
+                traceback.print_exc()
+                notes.append(f"FAILED: {row} could not be captured: {type(e).__name__}: {e}")
+                continue
+            calls[row], base[row] = step, v
+            kept[row] = built[v].held_bytes + step.pool_bytes
+            eager, replayed = calls[v]().float(), step().float()
+            error = ((replayed - eager).abs().max() / eager.abs().max()).item()
+            notes.append(f"{row}: replayed logits vs {v}'s eager decode step {error:.2e} "
+                         "(max abs difference / max abs logit)")
+            print(notes[-1])
     else:
         torch.manual_seed(SEED + tokens)
         ids = torch.randint(0, vocab, (1, tokens), device="cuda")
         calls = {v: built[v].call or bind(forward, built[v].model, ids) for v in names}
     times = timed_rounds(calls, rounds)
-    gpu_mib = {v: peak_mib(fn) + built[v].held_bytes / 2**20 for v, fn in calls.items()}
-    host_mib = {v: built[v].host_bytes / 2**20 for v in names}
+    gpu_mib = {v: peak_mib(fn) + kept[v] / 2**20 for v, fn in calls.items()}
+    host_mib = {v: built[base[v]].host_bytes / 2**20 for v in calls}
     return summarize(tokens, times, gpu_mib, host_mib)
 
 
@@ -625,6 +694,7 @@ def main(argv: list[str] | None = None) -> int:
         for tokens, names in steps(args.tokens, variants):
             kind = (f"decode (1 token, {DECODE_PROMPT}-token KV cache)" if tokens == 1
                     else f"prefill {tokens}")
+            names = [*names, *graph_rows(tokens, names)]
             print(f"{kind}: {rounds_for(tokens, args.rounds)} rounds of {', '.join(names)}")
         for line in [plan_line, *notes]:
             print(line)
@@ -644,7 +714,7 @@ def main(argv: list[str] | None = None) -> int:
     for tokens, names in steps(args.tokens, [v for v in variants if v in built]):
         try:
             rows += measure(built, tokens, names, rounds_for(tokens, args.rounds), prompt,
-                            token, config.vocab_size)
+                            token, config.vocab_size, notes)
         except Exception as e:  # keep the other steps' rows
             traceback.print_exc()
             notes.append(f"FAILED: the {tokens}-token step: {type(e).__name__}: {e}")

@@ -315,10 +315,10 @@ def _contraction_in_loop(fusion: Fusion, op: Op, cur: Segment) -> dict[str, int]
     """The operand axes ``op`` (an unsplit GEMM) would slice to join ``cur`` as a sum
     over the loop's slices, or None: every operand of one of its contractions is read in
     ``cur`` slice by slice along that axis already (an input another op of the loop
-    slices so, or a result the loop produces sliced so), or is a host input (it then
-    streams in by those slices), and at least one is each. A bias would be added once
-    per slice: an op with one does not join, and neither does an op whose output is in
-    host memory."""
+    slices so, or a result the loop produces sliced so), or is a host input contracted
+    along its first axis (it then streams in by blocks of rows: dense copies), and at
+    least one is each. A bias would be added once per slice: an op with one does not
+    join, and neither does an op whose output is in host memory."""
     if not op.defn.is_gemm or "bias" in op.operands() or op.out.device != "cuda":
         return None
     inputs = {id(t) for t in fusion.inputs}
@@ -333,8 +333,8 @@ def _contraction_in_loop(fusion: Fusion, op: Op, cur: Segment) -> dict[str, int]
             continue
         members = {n: a for n, a in group.inputs()}
         tied = [n for n, a in members.items() if (id(operands[n]), a) in in_loop]
-        host = [n for n in members if id(operands[n]) in inputs
-                and operands[n].device == "cpu" and n not in tied]
+        host = [n for n, a in members.items() if id(operands[n]) in inputs
+                and operands[n].device == "cpu" and n not in tied and a == 0]
         if tied and host and len(tied) + len(host) == len(members):
             return members
     return None

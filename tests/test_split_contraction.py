@@ -185,3 +185,31 @@ def test_cpp_zeroes_the_sum_and_accumulates(cache_dir):
         in op.source
     assert "gemms.matmul(T2, T0_i, T1_s, rt::kAccumulate, streams.current());" in op.source
     assert op.host_ir.split_contraction and "[split_contraction]" in str(op.host_ir)
+
+
+@pytest.mark.parametrize("second", ["matmul", "linear"])
+def test_a_host_operand_joins_the_loop_only_by_blocks_of_rows(second):
+    """t = x @ w1 split by columns, then y = t @ w2 with w2 in host memory: ``matmul`` reads
+    w2 [i, n] by blocks of rows (dense) and joins t's loop, summing; ``linear`` would read
+    w2 [n, i] by blocks of columns (2-D copies) and gets a loop of its own instead."""
+    with cg.Fusion(f"two_{second}") as f:
+        x = cg.input(["m", "k"], name="x")
+        w1 = cg.input(["k", "i"], name="w1")
+        shape = ["i", "n"] if second == "matmul" else ["n", "i"]
+        w2 = cg.input(shape, name="w2", device="cpu")
+        t = cg.matmul(x, w1)
+        y = cg.matmul(t, w2) if second == "matmul" else cg.linear(t, w2)
+        cg.output(y)
+    t.outer_split(1, 3)
+    t.axis(1).parallelize(cg.ParallelType.Stream)
+    program = cg.lower(f)
+    loops = [n for n in program.body if isinstance(n, hir.ForLoop)
+             and n.parallel is cg.ParallelType.Stream]
+    sums = [n for n in program.nodes() if isinstance(n, hir.Compute) and n.accumulate]
+    assert (len(loops), len(sums)) == ((1, 1) if second == "matmul" else (1, 0))
+    torch.manual_seed(0)
+    xs, w1s, w2s = ints(5, 4), ints(4, 7), ints(*[7 if d == "i" else 6 for d in shape])
+    races.check(program, [xs, w1s, w2s])
+    (got,) = cg.evaluate(program, [xs, w1s, w2s])
+    want = (xs @ w1s) @ (w2s if second == "matmul" else w2s.t())
+    assert torch.equal(got, want)
