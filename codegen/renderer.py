@@ -87,12 +87,13 @@ def _environment() -> jinja2.Environment:
     )
 
 
-# Modules that cannot change a program's C++ (they build, run, time or show it); every
-# other module of the package is hashed into the op name, new ones included by default.
+# Modules that cannot change a program's C++ (they build, run, time or show it), by path in
+# the package; every other module of the package (subpackages included) is hashed into the
+# op name, new ones included by default.
 # (builder.py's flags key the build cache instead.)
 _NOT_SHAPING_CPP = frozenset({"builder.py", "evaluator.py", "timeline.py", "demo.py", "nn.py",
                               "__main__.py", "timing.py", "collectives.py", "races.py",
-                              "autograd.py"})
+                              "autograd.py", "distributed/evaluation.py"})
 
 
 def include_dir() -> Path:
@@ -106,7 +107,8 @@ def _renderer_digest() -> str:
     the runtime headers and the package's modules (a change to a pass can change the
     program without changing the renderer)."""
     package = Path(__file__).resolve().parent
-    modules = [p for p in sorted(package.glob("*.py")) if p.name not in _NOT_SHAPING_CPP]
+    modules = [p for p in sorted(package.rglob("*.py"))
+               if p.relative_to(package).as_posix() not in _NOT_SHAPING_CPP]
     return _files_digest([*sorted(template_dir().glob("*.j2")), *modules],
                          runtime_headers_digest())
 

@@ -210,7 +210,7 @@ def test_canonical_text_of_values():
     assert digest.canonical(value) == (
         '{"b": [1, 2.0, None, True], "a": ("x\\"y",), "c": torch.bfloat16, '
         '"d": codegen.ir.ParallelType.Stream, '
-        '"e": codegen.hostir.Stream(index="i", pool=4, base=0), "f": ()}')
+        '"e": codegen.hostir.nodes.Stream(index="i", pool=4, base=0), "f": ()}')
 
 
 def test_canonical_text_of_extents():
