@@ -53,14 +53,16 @@ def stale_goldens(out: Path) -> str:
     return "".join(diffs)
 
 
-def show(name: str, stage: str, copy_stream: bool = False, staging: str = "slots") -> str:
+def show(name: str, stage: str, copy_stream: bool = False, staging: str = "slots",
+         split_contraction: bool = False) -> str:
     from . import lowering
     from .renderer import render
 
     fusion = example(name).make()
     if stage == "ir":
         return f"{fusion}\n\n# after the fusion passes\n{lowering.schedule(fusion)}"
-    program = lowering.lower(fusion, copy_stream=copy_stream, staging=staging)
+    program = lowering.lower(fusion, copy_stream=copy_stream, staging=staging,
+                             split_contraction=split_contraction)
     return str(program) if stage == "hostir" else render(program)
 
 
@@ -81,6 +83,9 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--staging", choices=("slots", "ring"), default="slots",
                    help="ring: host slices land in the thread's staging ring, their copies "
                         "running ahead of the caller's stream and across calls")
+    s.add_argument("--split-contraction", action="store_true",
+                   help="a row-major host weight read by column blocks streams by row blocks "
+                        "instead, each slice accumulating onto the output")
     t = sub.add_parser("timeline", help="profile an example on the GPU; draw its streams; "
                                         "for host copies, print how much the GEMMs hid")
     t.add_argument("example", choices=sorted(EXAMPLES))
@@ -95,7 +100,8 @@ def main(argv: list[str] | None = None) -> int:
         print("\n".join(f"wrote {args.out / c}" for c in changed) or "csrc_gen is up to date")
         return 0
     if args.command == "show":
-        print(show(args.example, args.stage, args.copy_stream, args.staging))
+        print(show(args.example, args.stage, args.copy_stream, args.staging,
+                   args.split_contraction))
         return 0
     if args.command == "demo":
         from .demo import run_demo

@@ -66,3 +66,11 @@ def test_show_staged_in_the_ring(capsys):
     assert "T1_s = RingSlot(like=T1_i, slots=5)" in text and "ReleaseRingSlot(T1_s)" in text
     assert main(["show", "stream_weights", "--staging", "ring", "--stage", "cpp"]) == 0
     assert "rt::RingCall ring(device, op);" in capsys.readouterr().out
+
+
+def test_show_with_the_contraction_split(capsys):
+    assert main(["show", "stream_weights", "--split-contraction"]) == 0
+    text = capsys.readouterr().out
+    assert "-> (T2) [split_contraction]:" in text
+    assert "T1_i = ShardByStream(T1, axis=0, index=i, chunk=ceilDiv(k, 8))" in text
+    assert "    Matmul(T0_i, T1_s, out=T2, accumulate=True)" in text
