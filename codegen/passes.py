@@ -10,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
+import torch
+
 from . import hostir as hir
 from .errors import InternalError, ScheduleError
 from .ir import (
@@ -318,8 +320,12 @@ def _contraction_in_loop(fusion: Fusion, op: Op, cur: Segment) -> dict[str, int]
     slices so, or a result the loop produces sliced so), or is a host input contracted
     along its first axis (it then streams in by blocks of rows: dense copies), and at
     least one is each. A bias would be added once per slice: an op with one does not
-    join, and neither does an op whose output is in host memory."""
-    if not op.defn.is_gemm or "bias" in op.operands() or op.out.device != "cuda":
+    join, and neither does an op whose output is in host memory. Each slice's sum is
+    rounded to the output's dtype: an fp16 output does not join either (a partial sum may
+    overflow where the whole one fits); a bf16 one does (fp32's range; a few roundings
+    more than one GEMM's)."""
+    if not op.defn.is_gemm or "bias" in op.operands() or op.out.device != "cuda" or \
+            op.out.dtype == torch.float16:
         return None
     inputs = {id(t) for t in fusion.inputs}
     in_loop: set[tuple[int, int]] = set()  # (tensor id, axis) read or made sliced in cur
@@ -354,8 +360,9 @@ def split_contractions(fusion: Fusion, segments: list[Segment]) -> list[Segment]
              for i [Stream]: T0_i = ShardByStream(T0, axis=1); T1_i = ShardByStream(T1,
              axis=0); Matmul(T0_i, T1_i, out=T2, accumulate=True)
     Same slice count (the split's chain applied to ``k``), same staging bytes per slot;
-    each slice also reads and writes the whole output, and a half-precision output is
-    rounded once per slice instead of once."""
+    each slice also reads and writes the whole output, and a bf16 output is rounded once
+    per slice instead of once. An fp16 output keeps its column slices (a partial sum may
+    overflow fp16 where the whole one fits)."""
     inputs = {id(t) for t in fusion.inputs}
     out: list[Segment] = []
     for seg in segments:
@@ -365,7 +372,7 @@ def split_contractions(fusion: Fusion, segments: list[Segment]) -> list[Segment]
             if (op.defn.name == "matmul" and a is not None and b is not None
                     and a.ndim == 2 and b.ndim == 2 and id(b) in inputs and b.device == "cpu"
                     and seg.sliced.get((0, "b")) == 1 and (0, "a") not in seg.sliced
-                    and op.out.device == "cuda"):
+                    and op.out.device == "cuda" and op.out.dtype != torch.float16):
                 split = _split_on(a, 1, seg.split.chain)
                 seg = Segment([op], split, {(0, "a"): 1, (0, "b"): 0}, {0})
         out.append(seg)

@@ -126,6 +126,28 @@ def test_batched_gradient_of_a_strided_batch(kind, cache_dir):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("kind", ["shared", "linear"])
+def test_batched_gradient_of_an_expanded_batch_of_rows(kind, cache_dir):
+    """A 3-D input of one row per batch, expanded from one row (batch stride 0, as a
+    decode step's): the summed weight gradient cannot fold the batch into rows and runs
+    one GEMM per batch."""
+    torch.manual_seed(0)
+    op = cg.compile(batched(kind, torch.float32, 0, slices=4))
+    b, _, k = _scaled([BATCHED_SHAPES[kind][0]], 16)[0]
+    row = ints(1, 1, k, device="cuda").requires_grad_(True)
+    rest = [ints(*s, device="cuda").requires_grad_(True)
+            for s in _scaled(BATCHED_SHAPES[kind][1:], 16)]
+    x = row.expand(b, 1, k)
+    weight = ints(*BATCHED_TORCH[kind](x, *rest).shape, device="cuda")
+    (op(x, *rest) * weight).sum().backward()
+    got = [row.grad, *(t.grad for t in rest)]
+    row2 = row.detach().clone().requires_grad_(True)
+    rest2 = [t.detach().clone().requires_grad_(True) for t in rest]
+    (BATCHED_TORCH[kind](row2.expand(b, 1, k), *rest2) * weight).sum().backward()
+    for g, want in zip(got, [row2.grad, *(t.grad for t in rest2)]):
+        torch.testing.assert_close(g, want, rtol=0, atol=0)
+
+
 def test_sum_rows_of_a_strided_batch(cache_dir):
     """SumRows of a 3-D input whose batch does not fold into its rows: one GEMM per
     batch, accumulating; and of one that folds: one GEMM."""

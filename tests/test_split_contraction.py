@@ -213,3 +213,38 @@ def test_a_host_operand_joins_the_loop_only_by_blocks_of_rows(second):
     (got,) = cg.evaluate(program, [xs, w1s, w2s])
     want = (xs @ w1s) @ (w2s if second == "matmul" else w2s.t())
     assert torch.equal(got, want)
+
+
+def test_fp16_sums_are_not_split():
+    """A partial sum may overflow fp16 where the whole sum fits (300 * 300 - 299 * 300):
+    an fp16 input gradient stays one GEMM (fp32 accumulation, one rounding), and
+    ``split_contraction`` leaves an fp16 loop by columns."""
+    h = torch.float16
+    program = cg.lower(examples.offload_linear(h, 2, False, name="ol"))
+    backward = cg.lower(autograd.derive(program.source, (True, True)).backward)
+    assert "accumulate" not in str(backward)
+    x, w, dy = torch.ones(1, 1, dtype=h), torch.tensor([[300.], [-299.]], dtype=h), \
+        torch.tensor([[300., 300.]], dtype=h)
+    gx, _ = cg.evaluate(backward, [x, w, dy])
+    assert gx.item() == 300.0
+    assert "accumulate" not in str(split_k(4, h))
+
+
+def test_event_names_avoid_every_value():
+    """The sum's event is named ``<out>_sum`` unless a value already is."""
+    with cg.Fusion("taken") as f:
+        t = cg.input(["m", "i"], name="t")
+        w2 = cg.input(["i", "n"], name="w2", device="cpu")
+        y_sum = cg.input(["m", "n"], name="y_sum")
+        a = cg.relu(t)
+        y = cg.matmul(a, w2)
+        y.name = "y"
+        cg.output(cg.add(y, y_sum))
+    a.outer_split(1, 2)
+    a.axis(1).parallelize(cg.ParallelType.Stream)
+    program = cg.lower(f)
+    assert "y_sum2 = CreateEvents(1)" in str(program)
+    torch.manual_seed(0)
+    ts, w2s, ys = ints(3, 4), ints(4, 5), ints(3, 5)
+    races.check(program, [ts, w2s, ys])
+    assert torch.equal(cg.evaluate(program, [ts, w2s, ys])[0], torch.relu(ts) @ w2s + ys)

@@ -629,6 +629,22 @@ class HostProgram:
         return "\n".join(lines)
 
 
+class _FreshNames:
+    """Names no value of ``program`` has: ``base``, else ``base2``, ``base3``, ..."""
+
+    def __init__(self, program: HostProgram) -> None:
+        self.taken = {t.name for t in program.inputs} | set(program.outputs)
+        self.taken |= {d for n in program.nodes() for d in n.defines()}
+
+    def __call__(self, base: str) -> str:
+        name, k = base, 1
+        while name in self.taken:
+            k += 1
+            name = f"{base}{k}"
+        self.taken.add(name)
+        return name
+
+
 # ---------------------------------------------------------------------------- verify
 
 

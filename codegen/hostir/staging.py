@@ -34,6 +34,7 @@ from .nodes import (
     Synchronize,
     TensorInfo,
     WaitEvent,
+    _FreshNames,
 )
 from .streams import _copies_in, _map_stream_loops, on_caller_stream, stream_count, worker_stream
 
@@ -53,20 +54,6 @@ def _renamed(node: Node, mapping: Mapping[str, str]) -> Node:
 
 def _uses(node: Node, name: str) -> bool:
     return name in node.uses() or any(_uses(c, name) for c in node.children())
-
-
-class _FreshNames:
-    def __init__(self, program: HostProgram) -> None:
-        self.taken = {t.name for t in program.inputs} | set(program.outputs)
-        self.taken |= {d for n in program.nodes() for d in n.defines()}
-
-    def __call__(self, base: str) -> str:
-        name, k = base, 1
-        while name in self.taken:
-            k += 1
-            name = f"{base}{k}"
-        self.taken.add(name)
-        return name
 
 
 def _is_stream_loop(n: Node) -> bool:

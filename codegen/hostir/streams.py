@@ -21,6 +21,7 @@ from .nodes import (
     StagingSlot,
     Stream,
     WaitEvent,
+    _FreshNames,
 )
 
 HostPass = Callable[[HostProgram], HostProgram]
@@ -106,6 +107,7 @@ def order_accumulation(program: HostProgram) -> HostProgram:
     next slices, a copy out) so those keep running under the sum. A loop on the caller's
     stream (``on_caller_stream``) is in order already and is left alone."""
     pool = program.pool_size
+    fresh = _FreshNames(program)
 
     def order(loop: ForLoop) -> list[Node]:
         sums = [n for n in loop.body if isinstance(n, Compute) and n.accumulate]
@@ -115,7 +117,7 @@ def order_accumulation(program: HostProgram) -> HostProgram:
         body: list[Node] = []
         for n in loop.body:
             if any(n is c for c in sums):
-                event = Event(f"{n.out}_sum", 0)
+                event = Event(fresh(f"{n.out}_sum"), 0)
                 made.append(CreateEvents(event.name, Const(1)))
                 body += [WaitEvent(event), n, RecordEvent(event)]
             else:

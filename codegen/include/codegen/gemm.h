@@ -380,14 +380,17 @@ class Gemms {
   }
 
   // [B, K, N] as [B * K, N] when each batch's rows follow the previous batch's (a batch
-  // stride of K rows, at most one batch, or one row per batch: rows B apart).
+  // stride of K rows, at most one batch, or one row per batch: rows a batch stride
+  // apart) and cuBLAS can read the result; otherwise the callers loop over the batch.
   static bool fold_batch(const View& v, View* out) {
     const int64_t B = v.sizes[0], K = v.sizes[1];
     if (B > 1 && K > 1 && v.strides[0] != K * v.strides[1]) return false;
     *out = batch(v, 0);
     out->sizes[0] = B * K;
     if (K == 1) out->strides[0] = v.strides[0];
-    return true;
+    Operand readable;  // an expanded batch of single rows (stride 0) folds unreadably
+    return as_operand(out->sizes[0], out->sizes[1], out->strides[0], out->strides[1],
+                      &readable);
   }
 
   // c = epilogue(a @ b (+ bias)) for views of rank 2 or 3 (c: [B?, M, N], a: [B?, M, K],
