@@ -42,8 +42,9 @@ class Gradient:
     """The saving forward and the backward of one fusion, for one set of wanted inputs.
 
     ``saved_inputs`` are the indices of the forward inputs the backward reads (its first
-    inputs, in this order), then come the saving forward's extra outputs (``n_saved`` of
-    them), then the output gradients. ``grads`` says, per forward input, where its
+    inputs, in this order), then come the saved intermediates (``saved_outputs``: their
+    positions among the saving forward's outputs, the user's own outputs first), then the
+    output gradients. ``grads`` says, per forward input, where its
     gradient is: ``("output", k)`` the backward's output k, ``("grad", j)`` the gradient
     of forward output j itself (``a + b`` passes it through), ``("zeros",)`` nothing
     depends on it, ``None`` not wanted."""
@@ -51,8 +52,12 @@ class Gradient:
     forward: Fusion | None  # None: the forward itself saves everything (nothing extra)
     backward: Fusion | None  # None: no wanted gradient needs a program
     saved_inputs: tuple[int, ...]
-    n_saved: int
+    saved_outputs: tuple[int, ...]
     grads: tuple[tuple[Any, ...] | None, ...]
+
+    @property
+    def n_saved(self) -> int:
+        return len(self.saved_outputs)
 
 
 def _spec(t: TensorView) -> list[int | str]:
@@ -119,6 +124,8 @@ def derive(fusion: Fusion, wanted: Sequence[bool]) -> Gradient:
 
     grads: dict[int, TensorView] = {}
     bwd = Fusion(f"{fusion.name}_backward")
+    # the forward's names, kept for the saved tensors declared later: no op takes them
+    bwd._reserved = {t.name for t in work.tensors}
     with bwd:
         for out in work.outputs:
             grads[id(out)] = ir.input(_spec(out), out.dtype, name=f"grad_{out.name}",
@@ -180,9 +187,10 @@ def derive(fusion: Fusion, wanted: Sequence[bool]) -> Gradient:
     order = [work.inputs[k].name for k in saved_inputs] + [t.name for t in saved] + grad_names
     by_name = {t.name: t for t in bwd.inputs}
     bwd.inputs = [by_name[n] if n in by_name else _unused_grad(bwd, work, n) for n in order]
-    return Gradient(forward=_saving_forward(fusion, [t.name for t in saved]),
-                    backward=bwd if bwd.outputs else None, saved_inputs=saved_inputs,
-                    n_saved=len(saved), grads=tuple(outcome))
+    forward, saved_outputs = _saving_forward(fusion, [t.name for t in saved])
+    return Gradient(forward=forward, backward=bwd if bwd.outputs else None,
+                    saved_inputs=saved_inputs, saved_outputs=saved_outputs,
+                    grads=tuple(outcome))
 
 
 class _Lazy(dict):  # type: ignore[type-arg]
@@ -247,18 +255,23 @@ def _loops_first(fusion: Fusion) -> None:
     fusion.ops = order
 
 
-def _saving_forward(fusion: Fusion, saved: list[str]) -> Fusion | None:
-    """``fusion`` with the tensors ``saved`` (by name) as outputs after its own, or None
-    when there are none."""
-    if not saved:
-        return None
+def _saving_forward(fusion: Fusion, saved: list[str]) -> tuple[Fusion | None,
+                                                                 tuple[int, ...]]:
+    """``fusion`` with the tensors ``saved`` (by name) that are not outputs already as
+    outputs after its own (None when that adds none), and each saved tensor's position
+    among its outputs."""
+    outputs = [t.name for t in fusion.outputs]
+    extra = [name for name in dict.fromkeys(saved) if name not in outputs]
+    positions = tuple((outputs + extra).index(name) for name in saved)
+    if not extra:
+        return None, positions
     work = fusion.clone()
     work.name = f"{fusion.name}_forward"
     by_name = {t.name: t for t in work.tensors}
     with work:
-        for name in saved:
+        for name in extra:
             ir.output(by_name[name])
-    return work
+    return work, positions
 
 
 # ---------------------------------------------------------------------------- run
@@ -329,7 +342,8 @@ class Function(torch.autograd.Function):
         outs = _as_list(saving(*inputs) if saving is not None else run_forward(*inputs))
         n = runner.n_outputs
         ctx.shapes = [(x.shape, x.dtype, x.device) for x in inputs]
-        ctx.save_for_backward(*[inputs[k] for k in gradient.saved_inputs], *outs[n:])
+        ctx.save_for_backward(*[inputs[k] for k in gradient.saved_inputs],
+                              *[outs[k] for k in gradient.saved_outputs])
         result = tuple(outs[:n])
         return result if n > 1 else result[0]
 

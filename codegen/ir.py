@@ -431,6 +431,7 @@ class Fusion:
         # every input extent symbol -> whether codegen named it (a free extent, None)
         self._symbols: dict[str, bool] = {}
         self._token: contextvars.Token | None = None
+        self._reserved: set[str] = set()  # names automatic names skip (still free to take)
 
     def __enter__(self) -> Fusion:
         if _current.get() is not None:
@@ -450,8 +451,8 @@ class Fusion:
 
     def _fresh_name(self) -> str:
         """``T<n>``, n the tensor's position in definition order, or the next n whose name
-        no tensor has taken (an explicit ``name=`` may have taken it)."""
-        taken = {t.name for t in self.tensors}
+        no tensor has taken (an explicit ``name=`` may have taken it) nor is reserved."""
+        taken = {t.name for t in self.tensors} | self._reserved
         n = len(self.tensors)
         while f"T{n}" in taken:
             n += 1

@@ -242,8 +242,10 @@ def _linear_evaluate(v: Mapping[str, torch.Tensor], out: torch.Tensor, attrs: At
         out.zero_()
     elif x.shape[-1] == 0:
         out.copy_(bias.expand_as(out))
-    elif bias is None:
+    elif bias is None and x.dim() == 2:
         torch.matmul(x, w.t(), out=out)
+    elif bias is None:  # torch.matmul(out=) folds 3-D x 2-D: see _matmul_evaluate
+        torch.matmul(x, w.t().expand(x.shape[0], -1, -1), out=out)
     elif x.dim() == 2:
         torch.addmm(bias, x, w.t(), out=out)
     else:

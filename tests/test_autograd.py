@@ -419,3 +419,47 @@ def test_backward_programs_build(cache_dir):
         op = cg.build(cg.lower(g.backward).replace(source=None))
         assert op.name.startswith(f"codegen::{fusion.name}_backward_")
         assert "gemms.matmul_tn" in op.source
+
+
+def test_unnamed_chain_with_a_host_weight():
+    """Automatic names of the backward's ops never take a forward name the backward
+    declares later (a saved GEMM result ``T3``)."""
+    with cg.Fusion("chain") as f:
+        x, w1 = cg.input(["m", "k"]), cg.input(["i", "k"])
+        w2 = cg.input(["n", "i"], device="cpu")
+        t = cg.linear(x, w1)
+        cg.output(cg.linear(t, w2))
+    t.outer_split(1, 2)
+    t.axis(1).parallelize(cg.ParallelType.Stream)
+    torch.manual_seed(0)
+    inputs = [ints(5, 3), ints(4, 3), ints(6, 4)]
+    _, grads, weights = _grads(cg.lower(f), inputs)
+    _, tgrads = _torch_grads(lambda x, w1, w2: F.linear(F.linear(x, w1), w2), inputs, weights)
+    for got, want in zip(grads, tgrads):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_a_saved_result_that_is_an_output_is_saved_once():
+    """t is an output and the backward reads it (dw2 = t.T @ dy): the saving forward adds
+    no second copy of it."""
+    with cg.Fusion("two_outputs") as f:
+        x, w1, w2 = cg.input(["m", "k"]), cg.input(["k", "i"]), cg.input(["i", "n"])
+        t = cg.matmul(x, w1)
+        cg.output(cg.matmul(t, w2))
+        cg.output(t)
+    t.outer_split(1, 2)
+    t.axis(1).parallelize(cg.ParallelType.Stream)
+    program = cg.lower(f)
+    g = autograd.derive(program.source, (True, True, True))
+    assert g.forward is None and g.saved_outputs == (1,)
+    torch.manual_seed(0)
+    inputs = [ints(5, 3), ints(3, 4), ints(4, 6)]
+    outs, grads, weights = _grads(program, inputs)
+
+    def fn(x, w1, w2):
+        t = x @ w1
+        return t @ w2, t
+
+    touts, tgrads = _torch_grads(fn, inputs, weights)
+    for got, want in zip(outs + grads, touts + tgrads):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)

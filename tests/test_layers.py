@@ -499,3 +499,18 @@ def test_an_input_only_kernels_read_gets_no_cublas_layout_check():
     source = cg.render(cg.lower(fusion))
     assert "rt::check_matrix(w," not in source and "rt::check_matrix(T1, op" in source
     assert "rt::check_matrix(T0, op" not in source
+
+
+def test_3d_linear_into_a_strided_slice():
+    """A 3-D linear split along its rows writes a slice whose batch stride is not rows x
+    columns: the evaluator's torch call must not fold the batch into the rows."""
+    with cg.Fusion("rows_of_3d") as f:
+        x = cg.input(["b", "m", "k"], device="cpu")
+        w = cg.input(["n", "k"])
+        y = cg.linear(x, w)
+        cg.output(y)
+    y.outer_split(1, 3)
+    y.axis(1).parallelize(cg.ParallelType.Stream)
+    torch.manual_seed(0)
+    x, w = ints(2, 9, 4), ints(5, 4)
+    assert torch.equal(cg.evaluate(cg.lower(f), [x, w])[0], x @ w.t())
