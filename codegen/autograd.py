@@ -240,15 +240,19 @@ def _loops_first(fusion: Fusion) -> None:
     allow: reverse mode emits each gradient's contraction over the split axis (an unsplit
     GEMM) between the split ops, which would cut one loop into several. Before: the ops
     in a valid order. After: a valid order (a topological one), split ops as early as
-    their inputs allow, the relative order kept otherwise."""
+    their inputs allow, then the unsplit ones that read a host input (the input gradient
+    of a host weight, which joins the loop before it and streams that weight: see
+    ``passes.segment``), the relative order kept otherwise."""
     from .lowering import schedule
 
     split = {op.out.name for op in schedule(fusion).ops if op.out.stream_id() is not None}
+    host = {id(t) for t in fusion.inputs if t.device == "cpu"}
     done = {id(t) for t in fusion.inputs}
     todo, order = list(fusion.ops), []
     while todo:
         ready = [op for op in todo if all(id(t) in done for t in op.inputs())]
-        op = next((o for o in ready if o.out.name in split), ready[0])
+        op = next((o for o in ready if o.out.name in split), None) or \
+            next((o for o in ready if any(id(t) in host for t in o.inputs())), ready[0])
         order.append(op)
         todo.remove(op)
         done.add(id(op.out))

@@ -248,3 +248,29 @@ def test_event_names_avoid_every_value():
     ts, w2s, ys = ints(3, 4), ints(4, 5), ints(3, 5)
     races.check(program, [ts, w2s, ys])
     assert torch.equal(cg.evaluate(program, [ts, w2s, ys])[0], torch.relu(ts) @ w2s + ys)
+
+
+def test_a_chain_streams_its_first_host_weight_for_the_input_gradient():
+    """linear(linear(x, w1), w2) with w1 in host memory, split on the middle axis: the
+    backward computes dX in the loop (w1 streamed by slices), ahead of dW2 (which reads
+    nothing from host memory)."""
+    with cg.Fusion("chain") as f:
+        x, w1 = cg.input(["m", "k"], name="x"), cg.input(["i", "k"], name="w1", device="cpu")
+        w2 = cg.input(["n", "i"], name="w2")
+        t = cg.linear(x, w1)
+        cg.output(cg.linear(t, w2))
+    t.outer_split(1, 2)
+    t.axis(1).parallelize(cg.ParallelType.Stream)
+    program = cg.lower(f)
+    backward = cg.lower(autograd.derive(program.source, (True, True, True)).backward)
+    sums = [n for n in backward.nodes() if isinstance(n, hir.Compute) and n.accumulate]
+    assert [n.expr.args[1] for n in sums] == ["w1_s"]
+    torch.manual_seed(0)
+    x, w1, w2 = ints(5, 3), ints(4, 3), ints(6, 4)
+    dy, t = ints(5, 6), x @ w1.t()
+    inputs = [x, w1, w2, t, dy]  # the forward's inputs, the saved t, the output's gradient
+    races.check(backward, inputs)
+    gx, gw1, gw2 = cg.evaluate(backward, inputs)
+    dt = dy @ w2
+    assert torch.equal(gx, dt @ w1) and torch.equal(gw1, dt.t() @ x)
+    assert torch.equal(gw2, dy.t() @ t)
