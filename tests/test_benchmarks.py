@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import helpers
 import pytest
 import torch
 from conftest import ints
@@ -592,13 +593,7 @@ def test_offload_llama_prefetch_recovers_from_calls_out_of_order():
 
 def tiny_llama(seed: int = 0, layers: int = 3):
     """A small fp32 Llama on the CPU with random weights from ``seed``."""
-    transformers = pytest.importorskip("transformers")
-    config = transformers.LlamaConfig(
-        vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-        tie_word_embeddings=False)
-    torch.manual_seed(seed)
-    return transformers.LlamaForCausalLM(config).eval()
+    return helpers.tiny_llama(seed=seed, layers=layers, intermediate=96)
 
 
 def test_offload_llama_prefetch_hooks_leave_the_model_unchanged():

@@ -5,20 +5,10 @@ import copy
 
 import pytest
 import torch
+from helpers import tiny_llama
 from torch import nn
 
 import codegen.nn
-
-transformers = pytest.importorskip("transformers")  # a test extra: CI installs it
-
-
-def tiny_llama(tie: bool = False, seed: int = 0):
-    config = transformers.LlamaConfig(
-        vocab_size=97, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-        tie_word_embeddings=tie)
-    torch.manual_seed(seed)
-    return transformers.LlamaForCausalLM(config).eval()
 
 
 def offloaded(ref, **kwargs):

@@ -4,6 +4,7 @@ KV cache, and a decode step over a static KV cache)."""
 
 import copy
 
+import helpers
 import pytest
 import torch
 from torch import nn
@@ -11,16 +12,11 @@ from torch import nn
 import codegen.nn
 
 pytestmark = pytest.mark.gpu
-transformers = pytest.importorskip("transformers")
 
 
 def tiny_llama(dtype, seed=0):
-    config = transformers.LlamaConfig(
-        vocab_size=101, hidden_size=128, intermediate_size=352, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-        tie_word_embeddings=False)
-    torch.manual_seed(seed)
-    return transformers.LlamaForCausalLM(config).to(dtype).eval()
+    return helpers.tiny_llama(dtype, seed, hidden=128, intermediate=352, vocab=101,
+                              max_positions=128)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

@@ -7,6 +7,7 @@ import copy
 
 import pytest
 import torch
+from helpers import tiny_llama
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import codegen.nn
@@ -15,15 +16,6 @@ from benchmarks.common import StaticDecodeStep, static_cache
 transformers = pytest.importorskip("transformers")  # a test extra: CI installs it
 
 PROMPT, STEPS, MAX_LEN = 7, 3, 16  # the cache keeps unwritten positions after the steps
-
-
-def tiny_llama(seed: int = 0):
-    config = transformers.LlamaConfig(
-        vocab_size=97, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-        tie_word_embeddings=False)
-    torch.manual_seed(seed)
-    return transformers.LlamaForCausalLM(config).eval()
 
 
 def decode(model, prompt, tokens):

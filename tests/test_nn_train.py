@@ -11,19 +11,10 @@ import copy
 import pytest
 import torch
 from conftest import ints
+from helpers import tiny_llama
 from torch import nn
 
 import codegen.nn
-
-
-def tiny_llama(dtype=torch.float32, seed=0, hidden=64, intermediate=160, vocab=97):
-    transformers = pytest.importorskip("transformers")  # a test extra: CI installs it
-    config = transformers.LlamaConfig(
-        vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        max_position_embeddings=128, tie_word_embeddings=False)
-    torch.manual_seed(seed)
-    return transformers.LlamaForCausalLM(config).to(dtype).eval()
 
 
 def mlp(dtype=torch.float32, integers=False, seed=0):
@@ -136,7 +127,7 @@ def check_sgd_step(model, ref, x, lr, forward_tol):
 @pytest.mark.parametrize("slices", [1, 3])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_llama_gradients_match_the_original(slices, dtype):
-    ref = tiny_llama(dtype)
+    ref = tiny_llama(dtype, max_positions=128)
     model = codegen.nn.offload(copy.deepcopy(ref), slices=slices, device="cpu")
     assert len(offloaded_names(model)) == 2 * 7 + 1
     ids = torch.randint(0, 97, (2, 9))
@@ -176,7 +167,7 @@ def test_mlp_sgd_step_updates_the_arena_in_place():
 
 
 def test_llama_sgd_step_updates_the_arena_in_place():
-    ref = tiny_llama()
+    ref = tiny_llama(max_positions=128)
     model = codegen.nn.offload(copy.deepcopy(ref), slices=3, device="cpu")
     ids = torch.randint(0, 97, (2, 9))
     check_gradients(model, ref, ids, 1e-5)
@@ -190,7 +181,7 @@ def test_llama_sgd_step_updates_the_arena_in_place():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def test_llama_trains_like_the_gpu_model(dtype, cache_dir):
     torch.backends.cuda.matmul.allow_tf32 = False
-    ref = tiny_llama(dtype, hidden=128, intermediate=352, vocab=101)
+    ref = tiny_llama(dtype, hidden=128, intermediate=352, vocab=101, max_positions=128)
     model = codegen.nn.offload(copy.deepcopy(ref), slices=4)
     ref = ref.cuda()
     assert codegen.nn.arena(model).pinned
