@@ -94,11 +94,17 @@ def test_random_sizes_and_options_are_exact_and_ordered(seed):
 
 
 def test_half_precision_rounds_once_per_slice():
-    """bf16: each slice's sum is rounded to bf16 (beta = 1 on a bf16 output), so the error
-    grows with S, but stays within a few roundings of fp32."""
+    """bf16: each slice adds its fp32 product onto the bf16 output and rounds the sum once
+    (what cuBLAS does with beta = 1): the result is that sequence of roundings, bit for
+    bit, and within a few roundings of the exact product."""
     torch.manual_seed(0)
     x, w = torch.randn(16, 256).bfloat16(), torch.randn(256, 24).bfloat16()
     (y,) = cg.evaluate(split_k(8, torch.bfloat16), [x, w])
+    expect = torch.zeros(16, 24, dtype=torch.bfloat16)
+    for k in range(0, 256, 32):  # ceilDiv(256, 8) = 32 rows of w per slice
+        product = x[:, k:k + 32].float() @ w[k:k + 32].float()
+        expect = (expect.float() + product).bfloat16()
+    assert torch.equal(y, expect)
     ref = x.double() @ w.double()
     assert ((y.double() - ref).norm() / ref.norm()).item() < 2e-2
 

@@ -328,15 +328,9 @@ class Gemms {
       gemm(out, transposed(fa), fb, nullptr, Epilogue::None, stream, accumulate);
       return;
     }
-    for (int64_t i = 0; i < a.sizes[0]; ++i) {
-      const View ai = transposed(batch(a, i)), bi = batch(b, i);
-      if (i == 0) {
-        gemm(out, ai, bi, nullptr, Epilogue::None, stream, accumulate);
-      } else if (out.sizes[0] > 0 && out.sizes[1] > 0) {
-        test_fault_point(op_);
-        gemm_cublas(gemm_args(out, ai, bi, op_), out, ai, bi, type_, /*accumulate=*/true,
-                    op_);
-      }
+    for (int64_t i = 0; i < a.sizes[0]; ++i) {  // batch 0 overwrites unless accumulating
+      gemm(out, transposed(batch(a, i)), batch(b, i), nullptr, Epilogue::None, stream,
+           accumulate || i > 0);
     }
   }
 
