@@ -313,14 +313,25 @@ class Runner:
             return None
         p = self.program
         program = lower(fusion, pool_size=p.pool_size, gemm_sm_count=p.gemm_sm_count,
-                        gemm_library=p.gemm_library, copy_stream=p.copy_stream,
-                        staging=p.staging, split_contraction=p.split_contraction)
+                        gemm_library=p.gemm_library if keep else backward_gemm_library(p),
+                        copy_stream=p.copy_stream, staging=p.staging,
+                        split_contraction=p.split_contraction)
         if not keep:
             program = program.replace(source=None)  # no backward of a backward
         if self.compiled:
             op = build(program)
             return lambda *args: _as_list(op._overload(*args))
         return lambda *args: evaluate(program, list(args))
+
+
+def backward_gemm_library(program: hir.HostProgram) -> str:
+    """The GEMM library of ``program``'s backward: cublasGemmEx, the call torch's own
+    backward makes, unless an SM budget (which only cuBLASLt has) was asked for. The
+    backward's GEMMs have no epilogue (a bias gradient is a row sum, an activation's
+    gradient a kernel), and on the H200 cuBLASLt's choice for their slices ran the
+    GPU-resident ``llama_mlp`` step 1-2% slower than cublasGemmEx's
+    (``benchmarks/results/backward_streams.txt``)."""
+    return program.gemm_library if program.gemm_sm_count else "cublas"
 
 
 def _as_list(result: Any) -> list[torch.Tensor]:

@@ -220,7 +220,8 @@ def test_llama_saves_the_gemm_results_and_recomputes_the_rest():
 def test_llama_backward_is_one_loop_split_like_the_forward():
     """Every gradient of the intermediate axis is per slice on the slice's stream (dW of
     the three weights too); dX contracts the split axis, so it runs whole after the
-    loop."""
+    loop: two GEMMs, the second accumulating onto the first (no Add); the silu that
+    three pointwise nodes read is recomputed in each, never stored."""
     program = cg.lower(examples.llama_mlp())
     g = autograd.derive(program.source, (True,) * 4)
     bwd = cg.lower(g.backward)
@@ -230,7 +231,11 @@ def test_llama_backward_is_one_loop_split_like_the_forward():
     assert sorted(n.out for n in inside if n.gemm is not None) == [
         "grad_T7_i", "grad_w_down_i", "grad_w_gate_i", "grad_w_up_i"]
     after = [n for n in bwd.body if isinstance(n, hir.Compute)]
-    assert [type(n).__name__ for n in after] == ["Matmul", "Matmul", "Add"]
+    assert [(type(n).__name__, n.out, n.accumulate) for n in after] == [
+        ("Matmul", "grad_x", False), ("Matmul", "grad_x", True)]
+    assert [str(n) for n in inside if n.gemm is None] == [
+        "Mul(Silu(T4_i), T6_i, out=T10_i)", "Mul(grad_T7_i, Silu(T4_i), out=grad_T6_i)",
+        "SiluGrad(Mul(grad_T7_i, T6_i), T4_i, out=grad_T4_i)"]
     _race_check(bwd, {"m": 6, "h": 4, "inter": 9})
 
 

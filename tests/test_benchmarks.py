@@ -24,7 +24,8 @@ from benchmarks import launch_floor
 REPO = Path(__file__).resolve().parent.parent
 PRODUCT = ("bench_matmul", "bench_layers", "bench_copy", "mlp_offload", "offload_llama",
            "backward", "host_cost", "bench_overlap", "bench_build")
-PROBES = ("copy2d_probe", "copy_contention", "copy_trace", "small_gemm_probe", "backward_kernels")
+PROBES = ("copy2d_probe", "copy_contention", "copy_trace", "small_gemm_probe", "backward_kernels",
+          "backward_streams")
 
 
 def run_module(module: str, *args: str) -> subprocess.CompletedProcess:

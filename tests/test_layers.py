@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import ints
+from helpers import stream_loops
 
 import codegen as cg
 from codegen import examples, races
@@ -260,6 +261,105 @@ def test_fusion_rules():
     # Widening: computing the sum in fp64 would skip its fp32 rounding: two nodes.
     assert computes(lowered(chain_to(torch.float64))) == \
         ["Add(Silu(T0), Mul(T0, T1), out=T4)", "Cast(T4, dtype=float64, out=T5)"]
+
+
+def _lowered(build, **options):
+    with cg.Fusion("f") as fusion:
+        for out in build():
+            cg.output(out)
+    return cg.lower(fusion, **options)
+
+
+def _computes(program):
+    return [str(n) for n in program.nodes() if isinstance(n, hir.Compute)]
+
+
+def test_a_unary_result_read_by_several_kernels_is_recomputed_in_each():
+    """silu(a) read by three pointwise nodes is computed inside each of them (each reads a
+    where it read silu(a)), and never stored; read by a GEMM too, it is stored."""
+    def readers(gemm):
+        def build():
+            a, b, c = (cg.input([4, 5], name=n) for n in "abc")
+            s = cg.silu(a)
+            outs = [cg.mul(s, b), cg.add(c, s), cg.relu(s)]
+            return outs + ([cg.matmul(s, cg.input([5, 3], name="w"))] if gemm else [])
+        return build
+
+    program = _lowered(readers(False))
+    assert _computes(program) == ["Mul(Silu(a), b, out=T4)", "Add(c, Silu(a), out=T5)",
+                                  "Relu(Silu(a), out=T6)"]
+    assert [n.out.name for n in program.nodes() if isinstance(n, hir.Allocate)] == \
+        ["T4", "T5", "T6"]
+    a, b, c = (torch.randn(4, 5) for _ in range(3))
+    s = F.silu(a)
+    for got, want in zip(cg.evaluate(program, [a, b, c]), [s * b, c + s, F.relu(s)]):
+        torch.testing.assert_close(got, want)
+    stored = _computes(_lowered(readers(True)))
+    assert stored[0] == "Silu(a, out=T3)" and "Matmul(T3, w, out=T8)" in stored
+
+
+def test_a_result_read_by_several_kernels_in_a_loop_is_recomputed_per_slice():
+    def build():
+        a, b = cg.input(["m", "n"], name="a"), cg.input(["m", "n"], name="b")
+        s = cg.gelu(a, "tanh")
+        y, z = cg.mul(s, b), cg.add(b, s)
+        for t in (s, y, z):
+            t.outer_split(1, 3)
+            t.axis(1).parallelize(cg.ParallelType.Stream)
+        return [y, z]
+
+    program = _lowered(build)
+    (loop,) = stream_loops(program)
+    assert [str(n) for n in loop.body if isinstance(n, hir.Compute)] == [
+        "Mul(Gelu(a_i, approximate=tanh), b_i, out=T3_i)",
+        "Add(b_i, Gelu(a_i, approximate=tanh), out=T4_i)"]
+    a, b = torch.randn(4, 7), torch.randn(4, 7)
+    races.check(program, [a, b])
+    s = F.gelu(a, approximate="tanh")
+    y, z = cg.evaluate(program, [a, b])
+    torch.testing.assert_close(y, s * b)
+    torch.testing.assert_close(z, b + s)
+
+
+def test_two_gemm_results_added_become_one_accumulating_gemm():
+    """x @ w1 + y @ w2: the second GEMM adds its product onto the first's output (beta 1),
+    no Add and no intermediates; exact on integers. Not merged: a GEMM with a bias (its
+    epilogue adds it), a GEMM result that is also an output, a broadcast add."""
+    def two(bias=False, also_output=False):
+        def build():
+            x, w1 = cg.input(["m", "k"], name="x"), cg.input(["n", "k"], name="w1")
+            y, w2 = cg.input(["m", "j"], name="y"), cg.input(["j", "n"], name="w2")
+            first = cg.linear(x, w1, cg.input(["n"], name="b") if bias else None)
+            second = cg.matmul(y, w2)
+            return [cg.add(first, second)] + ([second] if also_output else [])
+        return build
+
+    program = _lowered(two())
+    assert _computes(program) == ["Linear(x, w1, out=T6)",
+                                  "Matmul(y, w2, out=T6, accumulate=True)"]
+    text = str(program)
+    assert "T6 = Allocate(float32[m, n])\n  Linear(x, w1, out=T6)" in text
+    assert "T4" not in text and "T5" not in text
+    x, w1, y, w2 = ints(3, 4), ints(5, 4), ints(3, 2), ints(2, 5)
+    races.check(program, [x, w1, y, w2])
+    (out,) = cg.evaluate(program, [x, w1, y, w2])
+    assert torch.equal(out, x @ w1.t() + y @ w2)
+    assert "Add(" in _computes(_lowered(two(bias=True)))[-1]
+    assert "Add(" in _computes(_lowered(two(also_output=True)))[-1]
+
+    def broadcast():
+        return [cg.add(cg.matmul(cg.input([4, 3]), cg.input([3, 5])), cg.input([5]))]
+
+    assert _computes(_lowered(broadcast))[-1].startswith("Add(")
+
+
+def test_the_accumulating_gemm_in_cpp(cache_dir):
+    with cg.Fusion("gemm_sum") as fusion:
+        x, w1 = cg.input(["m", "k"], name="x"), cg.input(["k", "n"], name="w1")
+        y, w2 = cg.input(["m", "j"], name="y"), cg.input(["j", "n"], name="w2")
+        cg.output(cg.add(cg.matmul(x, w1), cg.matmul(y, w2)))
+    op = cg.build(cg.lower(fusion))
+    assert "gemms.matmul(T6, y, w2, rt::kAccumulate, streams.current());" in op.source
 
 
 def test_fused_kernel_source():

@@ -124,6 +124,25 @@ def test_cast_and_integer_exact_chain(cache_dir):
 
 
 @pytest.mark.parametrize("library", ["cublaslt", "cublas"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_two_gemms_summed_by_accumulating(library, dtype, cache_dir):
+    """x @ w1.T + y @ w2 runs as two GEMMs into one output, the second with beta 1:
+    exact on integers."""
+    with cg.Fusion(f"gemm_sum_{library}_{str(dtype)[6:]}") as fusion:
+        x, w1 = cg.input(["m", "k"], dtype, name="x"), cg.input(["n", "k"], dtype, name="w1")
+        y, w2 = cg.input(["m", "j"], dtype, name="y"), cg.input(["j", "n"], dtype, name="w2")
+        cg.output(cg.add(cg.linear(x, w1), cg.matmul(y, w2)))
+    op = cg.compile(fusion, gemm_library=library)
+    assert "Matmul(y, w2, out=T6, accumulate=True)" in str(op.host_ir)
+    xs = [ints(37, 24, dtype=dtype, device="cuda", lo=-2, hi=3),
+          ints(20, 24, dtype=dtype, device="cuda", lo=-2, hi=3),
+          ints(37, 9, dtype=dtype, device="cuda", lo=-2, hi=3),
+          ints(9, 20, dtype=dtype, device="cuda", lo=-2, hi=3)]
+    expect = xs[0].float() @ xs[1].float().t() + xs[2].float() @ xs[3].float()
+    assert torch.equal(op(*xs).float(), expect)
+
+
+@pytest.mark.parametrize("library", ["cublaslt", "cublas"])
 def test_epilogue_and_its_fallback(library, cache_dir):
     """tanh-GELU after a linear: in cuBLASLt's epilogue (one node), or as its own kernel
     with gemm_library="cublas" (two nodes); both match torch."""

@@ -9,6 +9,7 @@ import random
 
 import pytest
 import torch
+import torch.nn.functional as F
 from conftest import ints
 
 import codegen as cg
@@ -174,12 +175,52 @@ def test_host_weight_gradients_are_exact_and_ordered(pool, options):
     assert torch.equal(gx, dy @ w) and torch.equal(gw, dy.t() @ x)
 
 
-def test_llama_with_host_weights_sums_its_input_gradients_in_the_loop():
-    program = cg.lower(examples.llama_mlp(torch.float32, 3, weights="cpu"))
+def _llama_host_backward(slices=3, **options):
+    program = cg.lower(examples.llama_mlp(torch.float32, slices, weights="cpu"), **options)
     g = autograd.derive(program.source, (True,) * 4)
-    sums = [n for n in cg.lower(g.backward).nodes() if isinstance(n, hir.Compute)
-            and n.accumulate]
+    return cg.lower(g.backward, **options)
+
+
+def test_llama_with_host_weights_sums_its_input_gradients_in_the_loop():
+    """x feeds two GEMMs, so dX is the sum of two contractions, both split over the loop:
+    both accumulate into one zeroed grad_x, ordered by one event (the slice's first GEMM
+    onto it waits, its last records)."""
+    program = _llama_host_backward()
+    sums = [n for n in program.nodes() if isinstance(n, hir.Compute) and n.accumulate]
     assert sorted(n.expr.args[1] for n in sums) == ["w_gate_s", "w_up_s"]
+    assert {n.out for n in sums} == {"grad_x"}
+    text = str(program)
+    assert "grad_x = Allocate(float32[m, h], zeroed=True)" in text and "Add(" not in text
+    assert text.count("CreateEvents(1)") == 1
+    assert ("WaitEvent(grad_x_sum[0])\n    Matmul(grad_T6_i, w_up_s, out=grad_x, "
+            "accumulate=True)\n    Matmul(grad_T4_i, w_gate_s, out=grad_x, accumulate=True)"
+            "\n    RecordEvent(grad_x_sum[0])") in text
+
+
+@pytest.mark.parametrize("options", [{"pool_size": 1}, {"pool_size": 2}, {},
+                                     {"pool_size": 2, "copy_stream": True},
+                                     {"staging": "ring"}])
+def test_llama_host_weight_gradients_exact_and_ordered(options):
+    program = _llama_host_backward(3, **options)
+    torch.manual_seed(len(options))
+    m, h, i = 4, 6, 9
+    x, wg, wu, wd = ints(m, h), ints(i, h), ints(i, h), ints(h, i)
+    t4, t6, dy = x @ wg.t(), x @ wu.t(), ints(m, h)
+    args = [x, wg, wu, wd, t4, t6, dy]
+    races.check(program, args)
+    gx, gwg, gwu, gwd = cg.evaluate(program, args)
+    x_, wg_, wu_, wd_ = (t.clone().double().requires_grad_() for t in (x, wg, wu, wd))
+    F.linear(F.silu(F.linear(x_, wg_)) * F.linear(x_, wu_), wd_).backward(dy.double())
+    for got, want in [(gx, x_), (gwg, wg_), (gwu, wu_), (gwd, wd_)]:
+        torch.testing.assert_close(got.double(), want.grad, rtol=1e-5, atol=1e-3)
+
+
+def test_a_missing_wait_on_a_two_gemm_sum_is_caught():
+    program = _without(_llama_host_backward(3, pool_size=2),
+                       lambda n: isinstance(n, hir.WaitEvent) and n.event.name == "grad_x_sum")
+    args = [ints(4, 6), ints(9, 6), ints(9, 6), ints(6, 9), ints(4, 9), ints(4, 9), ints(4, 6)]
+    with pytest.raises(cg.InternalError, match=r"write after write on grad_x"):
+        races.check(program, args)
 
 
 # ---------------------------------------------------------------------------- C++

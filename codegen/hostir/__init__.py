@@ -9,7 +9,7 @@ The stage is a package, one module per concern:
 
 - ``nodes``: values, nodes, ``HostProgram`` and ``verify``;
 - ``cleanup``: ``remove_dead_code``;
-- ``fusion``: ``fuse_pointwise``;
+- ``fusion``: ``fuse_pointwise``, ``accumulate_sums``;
 - ``staging``: host operands (staging slots, the copy stream, the staging ring);
 - ``streams``: ``assign_streams``, ``order_accumulation``;
 - ``fork_join``: ``run_copies_ahead``, ``insert_fork_join``;
@@ -34,6 +34,7 @@ from .fork_join import (  # noqa: F401
     run_copies_ahead,
 )
 from .fusion import (  # noqa: F401
+    accumulate_sums,
     fuse_pointwise,
     value_infos,
 )
@@ -94,6 +95,7 @@ from .streams import (  # noqa: F401
 HOSTIR_PASSES: tuple[HostPass, ...] = (
     remove_dead_code,
     fuse_pointwise,
+    accumulate_sums,
     stage_host_tensors,
     assign_streams,
     order_accumulation,

@@ -104,8 +104,10 @@ def order_accumulation(program: HostProgram) -> HostProgram:
                RecordEvent(T2_sum[0])
     One event per sum: slice i's GEMM waits for the last record, slice i - 1's GEMM (the
     first waits for nothing), and for nothing else its worker queued (the copies of the
-    next slices, a copy out) so those keep running under the sum. A loop on the caller's
-    stream (``on_caller_stream``) is in order already and is left alone."""
+    next slices, a copy out) so those keep running under the sum. Where a slice has
+    several GEMMs onto one sum (``accumulate_sums``), the first waits and the last
+    records. A loop on the caller's stream (``on_caller_stream``) is in order already and
+    is left alone."""
     pool = program.pool_size
     fresh = _FreshNames(program)
 
@@ -113,15 +115,18 @@ def order_accumulation(program: HostProgram) -> HostProgram:
         sums = [n for n in loop.body if isinstance(n, Compute) and n.accumulate]
         if not sums or on_caller_stream(loop, pool):
             return [loop]
-        made: list[Node] = []
+        events = {out: Event(fresh(f"{out}_sum"), 0)
+                  for out in dict.fromkeys(n.out for n in sums)}
+        first = {id(next(n for n in sums if n.out == out)) for out in events}
+        last = {id(next(n for n in reversed(sums) if n.out == out)) for out in events}
         body: list[Node] = []
         for n in loop.body:
-            if any(n is c for c in sums):
-                event = Event(fresh(f"{n.out}_sum"), 0)
-                made.append(CreateEvents(event.name, Const(1)))
-                body += [WaitEvent(event), n, RecordEvent(event)]
-            else:
-                body.append(n)
+            if isinstance(n, Compute) and id(n) in first:
+                body.append(WaitEvent(events[n.out]))
+            body.append(n)
+            if isinstance(n, Compute) and id(n) in last:
+                body.append(RecordEvent(events[n.out]))
+        made = [CreateEvents(e.name, Const(1)) for e in events.values()]
         return [*made, dataclasses.replace(loop, body=body)]
 
     return _map_stream_loops(program, order)
