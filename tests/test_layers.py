@@ -334,6 +334,15 @@ def test_two_gemm_results_added_become_one_accumulating_gemm():
             return [cg.add(first, second)] + ([second] if also_output else [])
         return build
 
+    with cg.Fusion("to_host") as fusion:  # the sum lands in host memory: staged, not summed
+        x, w1, y, w2 = (cg.input([3, 3], name=n) for n in ("x", "w1", "y", "w2"))
+        cg.output(cg.add(cg.matmul(x, w1), cg.matmul(y, w2)), device="cpu")
+    to_host = cg.lower(fusion)
+    assert "Add(" in str(to_host) and "accumulate" not in str(to_host)
+    args = [ints(3, 3) for _ in range(4)]
+    races.check(to_host, args)
+    assert torch.equal(cg.evaluate(to_host, args)[0], args[0] @ args[1] + args[2] @ args[3])
+
     program = _lowered(two())
     assert _computes(program) == ["Linear(x, w1, out=T6)",
                                   "Matmul(y, w2, out=T6, accumulate=True)"]

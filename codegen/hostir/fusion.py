@@ -299,7 +299,7 @@ def accumulate_sums(program: HostProgram) -> HostProgram:
                 continue
             a, b = add.expr.args
             infos, c = program.allocations(), add.out
-            if a == b or c not in infos or any(
+            if a == b or c not in infos or infos[c].device != "cuda" or any(
                     infos.get(v) is None or infos[v].type_str() != infos[c].type_str()
                     for v in (a, b)):
                 continue
