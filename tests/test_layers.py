@@ -207,62 +207,6 @@ def test_split_propagates_through_elementwise_ops_both_ways():
     torch.testing.assert_close(got, F.silu(F.linear(xs[0], xs[1])) + xs[2])
 
 
-def test_fusion_rules():
-    """What fuses: pointwise into pointwise, tanh-GELU into a cuBLASLt GEMM. What does
-    not: erf-GELU into a GEMM (no epilogue), anything with gemm_library="cublas", a value
-    that is also an output or read twice, a cast in the middle of an expression."""
-    def lowered(build, **options):
-        with cg.Fusion("f") as fusion:
-            for out in build():
-                cg.output(out)
-        return cg.lower(fusion, **options)
-
-    def computes(program):
-        return [str(n) for n in program.nodes() if isinstance(n, hir.Compute)]
-
-    def gemm_gelu(approximate):
-        return lambda: [cg.gelu(cg.matmul(cg.input([4, 3]), cg.input([3, 5])), approximate)]
-
-    assert computes(lowered(gemm_gelu("tanh"))) == \
-        ["Gelu(Matmul(T0, T1), approximate=tanh, out=T3)"]
-    assert computes(lowered(gemm_gelu("none"))) == \
-        ["Matmul(T0, T1, out=T2)", "Gelu(T2, approximate=none, out=T3)"]
-    assert computes(lowered(gemm_gelu("tanh"), gemm_library="cublas")) == \
-        ["Matmul(T0, T1, out=T2)", "Gelu(T2, approximate=tanh, out=T3)"]
-
-    def shared():
-        s = cg.silu(cg.input([4, 5]))
-        return [cg.mul(s, s)]
-
-    assert computes(lowered(shared)) == ["Silu(T0, out=T1)", "Mul(T1, T1, out=T2)"]
-
-    def also_output():
-        s = cg.silu(cg.input([4, 5]))
-        return [s, cg.add(s, cg.input([5]))]
-
-    assert computes(lowered(also_output)) == ["Silu(T0, out=T1)", "Add(T1, T2, out=T3)"]
-
-    def cast_inside():
-        c = cg.cast(cg.input([4, 5]), torch.bfloat16)
-        return [cg.silu(c)]
-
-    assert computes(lowered(cast_inside)) == \
-        ["Cast(T0, dtype=bfloat16, out=T1)", "Silu(T1, out=T2)"]
-
-    def chain_to(dtype):
-        def build():
-            a, b = cg.input([4, 5]), cg.input([4, 5])
-            return [cg.cast(cg.add(cg.silu(a), cg.mul(a, b)), dtype)]
-        return build
-
-    # Narrowing: the fp32 sum is rounded once, to bf16, in one kernel.
-    assert computes(lowered(chain_to(torch.bfloat16))) == \
-        ["Cast(Add(Silu(T0), Mul(T0, T1)), dtype=bfloat16, out=T5)"]
-    # Widening: computing the sum in fp64 would skip its fp32 rounding: two nodes.
-    assert computes(lowered(chain_to(torch.float64))) == \
-        ["Add(Silu(T0), Mul(T0, T1), out=T4)", "Cast(T4, dtype=float64, out=T5)"]
-
-
 def _lowered(build, **options):
     with cg.Fusion("f") as fusion:
         for out in build():
@@ -272,6 +216,53 @@ def _lowered(build, **options):
 
 def _computes(program):
     return [str(n) for n in program.nodes() if isinstance(n, hir.Compute)]
+
+
+def test_fusion_rules():
+    """What fuses: pointwise into pointwise, tanh-GELU into a cuBLASLt GEMM. What does
+    not: erf-GELU into a GEMM (no epilogue), anything with gemm_library="cublas", a value
+    that is also an output or read twice, a cast in the middle of an expression."""
+    def gemm_gelu(approximate):
+        return lambda: [cg.gelu(cg.matmul(cg.input([4, 3]), cg.input([3, 5])), approximate)]
+
+    assert _computes(_lowered(gemm_gelu("tanh"))) == \
+        ["Gelu(Matmul(T0, T1), approximate=tanh, out=T3)"]
+    assert _computes(_lowered(gemm_gelu("none"))) == \
+        ["Matmul(T0, T1, out=T2)", "Gelu(T2, approximate=none, out=T3)"]
+    assert _computes(_lowered(gemm_gelu("tanh"), gemm_library="cublas")) == \
+        ["Matmul(T0, T1, out=T2)", "Gelu(T2, approximate=tanh, out=T3)"]
+
+    def shared():
+        s = cg.silu(cg.input([4, 5]))
+        return [cg.mul(s, s)]
+
+    assert _computes(_lowered(shared)) == ["Silu(T0, out=T1)", "Mul(T1, T1, out=T2)"]
+
+    def also_output():
+        s = cg.silu(cg.input([4, 5]))
+        return [s, cg.add(s, cg.input([5]))]
+
+    assert _computes(_lowered(also_output)) == ["Silu(T0, out=T1)", "Add(T1, T2, out=T3)"]
+
+    def cast_inside():
+        c = cg.cast(cg.input([4, 5]), torch.bfloat16)
+        return [cg.silu(c)]
+
+    assert _computes(_lowered(cast_inside)) == \
+        ["Cast(T0, dtype=bfloat16, out=T1)", "Silu(T1, out=T2)"]
+
+    def chain_to(dtype):
+        def build():
+            a, b = cg.input([4, 5]), cg.input([4, 5])
+            return [cg.cast(cg.add(cg.silu(a), cg.mul(a, b)), dtype)]
+        return build
+
+    # Narrowing: the fp32 sum is rounded once, to bf16, in one kernel.
+    assert _computes(_lowered(chain_to(torch.bfloat16))) == \
+        ["Cast(Add(Silu(T0), Mul(T0, T1)), dtype=bfloat16, out=T5)"]
+    # Widening: computing the sum in fp64 would skip its fp32 rounding: two nodes.
+    assert _computes(_lowered(chain_to(torch.float64))) == \
+        ["Add(Silu(T0), Mul(T0, T1), out=T4)", "Cast(T4, dtype=float64, out=T5)"]
 
 
 def test_a_unary_result_read_by_several_kernels_is_recomputed_in_each():

@@ -33,6 +33,18 @@ class _Fusion:
     allocate: Allocate | None = None  # the consumer's output, then allocated before it
 
 
+def _users(program: HostProgram, t: str) -> tuple[str, list[Node]] | None:
+    """What is read of intermediate ``t`` (``t``, or its one slice view) and the nodes
+    that write or read it (its Allocate, view and Deallocate aside); None where ``t`` has
+    several views."""
+    views = [n for n in program.nodes() if isinstance(n, ShardByStream) and n.tensor == t]
+    if len(views) > 1:
+        return None
+    value = views[0].out if views else t
+    return value, [n for n in program.nodes() if not isinstance(n, (ForLoop, Deallocate))
+                   and (t in n.uses() or value in n.uses()) and n not in views]
+
+
 def _fusable(program: HostProgram, t: str) -> _Fusion | None:
     """Whether intermediate ``t`` can be computed inside its one reader, or None.
 
@@ -44,12 +56,9 @@ def _fusable(program: HostProgram, t: str) -> _Fusion | None:
     allocated between the two (that Allocate moves before the fused node): an epilogue of
     a GEMM whose input is freed right after it."""
     bodies = [program.body] + [n.body for n in program.nodes() if isinstance(n, ForLoop)]
-    views = [n for n in program.nodes() if isinstance(n, ShardByStream) and n.tensor == t]
-    if len(views) > 1:
+    if (found := _users(program, t)) is None:
         return None
-    value = views[0].out if views else t
-    users = [n for n in program.nodes() if not isinstance(n, (ForLoop, Deallocate))
-             and (t in n.uses() or value in n.uses()) and n not in views]
+    value, users = found
     if len(users) != 2 or not all(isinstance(u, Compute) for u in users):
         return None
     producer, consumer = users
@@ -121,12 +130,9 @@ def _recomputed(program: HostProgram, t: str) -> tuple[Compute, dict[int, Comput
     ``_fusable``'s case). Nothing between the producer and its last reader writes or
     frees the operand, so each reader reads the operand where it read ``t``: no more
     bytes (same dtype and shape), and ``t`` is never written."""
-    views = [n for n in program.nodes() if isinstance(n, ShardByStream) and n.tensor == t]
-    if len(views) > 1:
+    if (found := _users(program, t)) is None:
         return None
-    value = views[0].out if views else t
-    users = [n for n in program.nodes() if not isinstance(n, (ForLoop, Deallocate))
-             and (t in n.uses() or value in n.uses()) and n not in views]
+    value, users = found
     if len(users) < 3 or not all(isinstance(u, Compute) for u in users):
         return None
     producer, *readers = users
