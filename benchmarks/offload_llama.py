@@ -15,6 +15,7 @@ changes a model in place):
   one's, across forwards too);
 - codegen_noprefetch: the same with ``prefetch=False`` (each call stages its own slices;
   only where offload() takes ``prefetch``);
+- codegen_s<N> (any N, e.g. codegen_s4): codegen with ``slices=N``;
 - accelerate: ``accelerate.cpu_offload`` of each decoder layer (its hooks copy each weight
   from pageable host memory when the layer runs), where accelerate is installed;
 - prefetch: a hand-written layer prefetch in PyTorch (``LayerPrefetch``): two GPU buffer
@@ -75,6 +76,7 @@ import importlib.util
 import inspect
 import json
 import math
+import re
 import statistics
 import sys
 import traceback
@@ -434,8 +436,9 @@ def make(name: str, config: Any, shapes: list[list[tuple[int, ...]]]) -> Variant
     model = build(config)
     if name == "gpu":
         return Variant(name, model)
-    if name == "codegen":
-        return Variant(name, codegen.nn.offload(model, slices=8, filter=is_decoder_linear))
+    if name == "codegen" or _slices(name):
+        return Variant(name, codegen.nn.offload(model, slices=_slices(name) or 8,
+                                                filter=is_decoder_linear))
     if name == "codegen_noprefetch":
         return Variant(name, codegen.nn.offload(model, slices=8, filter=is_decoder_linear,
                                                 prefetch=False))
@@ -449,6 +452,12 @@ def make(name: str, config: Any, shapes: list[list[tuple[int, ...]]]) -> Variant
     if name == "prefetch":
         return Variant(name, model, keep=LayerPrefetch(model))
     raise ValueError(f"unknown variant {name!r}")
+
+
+def _slices(name: str) -> int | None:
+    """N of a ``codegen_s<N>`` variant, else None."""
+    found = re.fullmatch(r"codegen_s([1-9][0-9]*)", name)
+    return int(found.group(1)) if found else None
 
 
 def set_up(name: str, config: Any, shapes: list[list[tuple[int, ...]]], ids: torch.Tensor,
@@ -540,7 +549,8 @@ def rounds_for(tokens: int, rounds: int) -> int:
 
 def steps(tokens: Sequence[int], variants: Sequence[str]) -> list[tuple[int, list[str]]]:
     """Each step's token count and variants (the decode step only has DECODE_VARIANTS)."""
-    return [(t, [v for v in variants if t != 1 or v in DECODE_VARIANTS]) for t in tokens]
+    return [(t, [v for v in variants if t != 1 or v in DECODE_VARIANTS or _slices(v)])
+            for t in tokens]
 
 
 def graph_rows(tokens: int, variants: Sequence[str]) -> list[str]:
@@ -575,9 +585,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     if not args.tokens or min(args.tokens) < 1:
         parser.error("--tokens: expected positive integers")
     args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
-    unknown = [v for v in args.variants if v not in VARIANTS]
+    unknown = [v for v in args.variants if v not in VARIANTS and not _slices(v)]
     if unknown or not args.variants:
-        parser.error(f"--variants: unknown {unknown}; expected some of {', '.join(VARIANTS)}")
+        parser.error(f"--variants: unknown {unknown}; expected some of {', '.join(VARIANTS)} "
+                     "or codegen_s<N>")
     if args.rounds < 1:
         parser.error("--rounds: expected a positive integer")
     return args

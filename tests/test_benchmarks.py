@@ -658,6 +658,9 @@ def test_offload_llama_steps_and_rounds():
     names = list(ol.VARIANTS)
     assert ol.steps([512, 1], names) == [(512, names),
                                          (1, ["codegen", "prefetch", "gpu", "copy"])]
+    assert ol.steps([1], ["codegen_s4", "accelerate"]) == [(1, ["codegen_s4"])]
+    assert [ol._slices(v) for v in ("codegen_s4", "codegen_s16", "codegen", "codegen_s0",
+                                    "codegen_s4x")] == [4, 16, None, None, None]
     assert [ol.rounds_for(t, 5) for t in (1, 512, 4096)] == [5, 5, 3]
     assert ol.rounds_for(4096, 3) == 2
 
@@ -674,8 +677,11 @@ def test_offload_llama_command_line_without_gpu():
                       "--variants", "gpu,accelerate", "--rounds", "7")
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines()[0] == "decode (1 token, 512-token KV cache): 7 rounds of gpu"
-    done = run_module("benchmarks.offload_llama", "--variants", "gpu,hand")
-    assert done.returncode == 2 and "unknown ['hand']" in done.stderr
+    done = run_module("benchmarks.offload_llama", "--variants", "gpu,hand,codegen_s")
+    assert done.returncode == 2 and "unknown ['hand', 'codegen_s']" in done.stderr
+    done = run_module("benchmarks.offload_llama", "--dry-run", "--tokens", "512",
+                      "--variants", "codegen,codegen_s4,copy")
+    assert done.stdout.splitlines()[0] == "prefill 512: 5 rounds of codegen, codegen_s4, copy"
     done = run_module("benchmarks.offload_llama", "--tokens", "512,x")
     assert done.returncode == 2 and "--tokens" in done.stderr
 
