@@ -79,6 +79,8 @@ class OpDef:
     epilogue: Callable[[Attrs], str | None] | None = None
     # A GEMM whose result may take a pointwise consumer as its epilogue.
     epilogues: bool = True
+    # A GEMM the runtime can run adding onto its output (beta = 1, ``accumulate=True``).
+    accumulates: bool = True
     # Reverse mode (codegen.autograd): (dy, operands, attrs, builder) -> each operand's
     # gradient, built with the builder's ops (the functions of codegen.ir), or a
     # ScheduleError where the op has none.
@@ -386,6 +388,7 @@ SUM_ROWS = define(OpDef(
     name="sum_rows", node="SumRows", family="gemm", operands=("x",),
     check=_ranks("sum_rows", ((2,), (3,)), "2-D and 3-D"), axes=_sum_rows_axes,
     dtype=lambda t, a: t["x"].dtype, evaluate=_sum_rows_evaluate, epilogues=False,
+    accumulates=False,
 ))
 
 # ---------------------------------------------------------------------------- pointwise

@@ -426,6 +426,30 @@ def test_backward_programs_build(cache_dir):
         assert "gemms.matmul_tn" in op.source
 
 
+def test_a_linear_applied_twice_sums_its_gradients_and_builds(cache_dir):
+    """One weight and bias read by two linears: dW's two GEMMs become one accumulating
+    onto the other; the bias gradient's two row sums stay an add (a row sum does not
+    accumulate in the runtime). Exact on integers; the C++ builds."""
+    with cg.Fusion("tied_linear") as fusion:
+        x1, x2 = cg.input(["m", "k"], name="x1"), cg.input(["m", "k"], name="x2")
+        w, b = cg.input(["n", "k"], name="w"), cg.input(["n"], name="b")
+        cg.output(cg.linear(x1, w, b))
+        cg.output(cg.linear(x2, w, b))
+    g = autograd.derive(cg.lower(fusion).source, (True,) * 4)
+    bwd = cg.lower(g.backward)
+    computes = [str(n) for n in bwd.nodes() if isinstance(n, hir.Compute)]
+    assert "MatmulTN(grad_T4, x1, out=grad_w, accumulate=True)" in computes
+    assert [c for c in computes if c.startswith("Add(")] == ["Add(T7, T10, out=grad_b)"]
+    x1, x2, w, b, d1, d2 = ints(3, 4), ints(3, 4), ints(5, 4), ints(5), ints(3, 5), ints(3, 5)
+    _race_check(bwd, {"m": 3, "k": 4, "n": 5})
+    got = cg.evaluate(bwd, [x1, x2, w, d1, d2])
+    assert [t.shape for t in got] == [(3, 4), (3, 4), (5, 4), (5,)]
+    assert torch.equal(got[2], d1.t() @ x1 + d2.t() @ x2)
+    assert torch.equal(got[3], d1.sum(0) + d2.sum(0))
+    op = cg.build(bwd.replace(source=None))
+    assert "rt::kAccumulate" in op.source
+
+
 def test_unnamed_chain_with_a_host_weight():
     """Automatic names of the backward's ops never take a forward name the backward
     declares later (a saved GEMM result ``T3``)."""

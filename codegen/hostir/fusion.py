@@ -269,7 +269,8 @@ def _sum_of_gemms(program: HostProgram, t: str, add: Compute) -> str | None:
     if len(allocs) != 1 or allocs[0].out.device != "cuda" or not others:
         return None
     if not all(isinstance(n, Compute) and n.out == t and n.epilogue is None and
-               n.expr.defn.is_gemm and "bias" not in n.expr.operands() for n in others):
+               n.expr.defn.is_gemm and n.expr.defn.accumulates and
+               "bias" not in n.expr.operands() for n in others):
         return None
     if not allocs[0].zeroed:
         top = any(n is others[0] for n in program.body)

@@ -314,8 +314,10 @@ class Compute(Node):
             if set(attrs) - set(names):
                 raise InternalError(f"{self.defn.node}: unknown attributes {sorted(attrs)}")
             expr = Apply(self.defn.name, args, tuple((k, attrs[k]) for k in names if k in attrs))
-        if accumulate and (not expr.defn.is_gemm or "bias" in expr.operands()):
-            raise InternalError(f"{expr}: only a GEMM without bias accumulates")
+        if accumulate and (not expr.defn.is_gemm or not expr.defn.accumulates or
+                           "bias" in expr.operands()):
+            raise InternalError(f"{expr}: only a GEMM without bias accumulates, and not "
+                                "a row sum")
         self.out, self.expr, self.accumulate = out, expr, accumulate
 
     @staticmethod
