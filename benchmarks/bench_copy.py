@@ -19,6 +19,8 @@ three times it (GEMM-bound), and S = 1, 2, 4, 8, 16, it reports per row:
 - sk / floor: the same program lowered with ``split_contraction=True`` (and the copy
   stream): w streamed by blocks of rows (dense copies), each slice adding its product
   onto the whole output (``passes.split_contractions``);
+- auto / floor: lowered with ``split_contraction="auto"`` (and the copy stream): each call
+  runs the loop ``codegen.cost`` estimates faster for its m (``auto_loop`` in the JSON);
 - the same op reading a column-major w (w^T stored contiguous, as nn.Linear keeps it):
   each slice is one 1-D copy instead of a 2-D one;
 - the hand-written Python pipeline (``benchmarks.common.PythonCopyPipeline``): w pre-split once into
@@ -70,19 +72,25 @@ DTYPE = torch.bfloat16
 SLICES = (1, 2, 4, 8, 16)
 
 
-_ops: dict[tuple[int, bool, bool], cg.CompiledOp] = {}
+_ops: dict[tuple[int, bool, bool | str], cg.CompiledOp] = {}
 
 
 def op_for(slices: int, copy_stream: bool = False,
-           split_contraction: bool = False) -> cg.CompiledOp:
+           split_contraction: bool | str = False) -> cg.CompiledOp:
     """One program per S (extents are symbolic): the tests' stream_weights programs, with
     the copies on the slices' streams or (``copy_stream``) on one copy stream, w's
-    columns streamed or (``split_contraction``) its rows."""
+    columns streamed or (``split_contraction``) its rows, or (``"auto"``) either."""
     key = (slices, copy_stream, split_contraction)
     if key not in _ops:
         _ops[key] = cg.compile(examples.stream_weights(DTYPE, slices), pool_size=POOL,
                                copy_stream=copy_stream, split_contraction=split_contraction)
     return _ops[key]
+
+
+def auto_loop(slices: int, x: torch.Tensor, w: torch.Tensor) -> str:
+    """Which loop the ``split_contraction="auto"`` op runs for these inputs."""
+    op = op_for(slices, copy_stream=True, split_contraction="auto")
+    return "columns" if op.pick([x, w]) is op else "rows"
 
 
 def measure_shape(label: str, m: int, w_host: torch.Tensor, w_host_t: torch.Tensor,
@@ -106,12 +114,14 @@ def measure_shape(label: str, m: int, w_host: torch.Tensor, w_host_t: torch.Tens
     for s in SLICES:
         op, op_cs, pipeline = op_for(s), op_for(s, copy_stream=True), pipelines[s]
         op_sk = op_for(s, copy_stream=True, split_contraction=True)
+        op_auto = op_for(s, copy_stream=True, split_contraction="auto")
+        variants[f"op_auto/s{s}"] = lambda op=op_auto: op(x, w_host)
         variants[f"op/s{s}"] = lambda op=op: op(x, w_host)
         variants[f"op_cs/s{s}"] = lambda op=op_cs: op(x, w_host)
         variants[f"op_sk/s{s}"] = lambda op=op_sk: op(x, w_host)
         variants[f"op_col/s{s}"] = lambda op=op: op(x, w_col)
         variants[f"python/s{s}"] = lambda p=pipeline: p(x)
-        for v in ("op", "op_cs", "op_sk", "op_col", "python"):
+        for v in ("op", "op_cs", "op_sk", "op_auto", "op_col", "python"):
             y = variants[f"{v}/s{s}"]().float()
             errors[f"{v}/s{s}"] = ((y - ref).norm() / ref.norm()).item()
     del ref
@@ -144,6 +154,9 @@ def measure_shape(label: str, m: int, w_host: torch.Tensor, w_host_t: torch.Tens
             "op_cs_op_ratio": median_ratio(t[f"op_cs/s{s}"], t[f"op/s{s}"]),
             "op_sk_ms": med(t[f"op_sk/s{s}"]),
             "op_sk_floor_ratio": median_ratio(t[f"op_sk/s{s}"], bound) / floor,
+            "op_auto_ms": med(t[f"op_auto/s{s}"]),
+            "op_auto_floor_ratio": median_ratio(t[f"op_auto/s{s}"], bound) / floor,
+            "auto_loop": auto_loop(s, x, w_host),
             "op_col_ratio": median_ratio(t[f"op_col/s{s}"], bound),
             "python_ratio": median_ratio(t[f"python/s{s}"], bound),
             "op_python_ratio": median_ratio(t[f"op/s{s}"], t[f"python/s{s}"]),
@@ -201,7 +214,7 @@ def nvtx_range_ns() -> float | None:
 def table(rows: list[dict[str, Any]]) -> str:
     head = (f"{'shape':>10} {'m':>6} {'S':>3} {'copy ms':>8} {'GEMM ms':>8} {'op ms':>8} "
             f"{'op/max':>7} {'floor':>6} {'op/floor':>8} {'cs/floor':>8} {'sk/floor':>8} "
-            f"{'op(w^T)':>8} "
+            f"{'auto/floor':>10} {'op(w^T)':>8} "
             f"{'python':>7} {'copy+GEMM':>9} {'host us':>8}")
     lines = [head, "-" * len(head)]
     for r in rows:
@@ -210,12 +223,13 @@ def table(rows: list[dict[str, Any]]) -> str:
             f"{r['gemm_ms']:8.3f} {r['op_ms']:8.3f} {r['op_ratio']:7.3f} "
             f"{r['floor_ratio']:6.3f} {r['op_floor_ratio']:8.3f} "
             f"{r['op_cs_floor_ratio']:8.3f} {r['op_sk_floor_ratio']:8.3f} "
-            f"{r['op_col_ratio']:8.3f} "
+            f"{r['op_auto_floor_ratio']:6.3f} {r['auto_loop'][0]:>3} {r['op_col_ratio']:8.3f} "
             f"{r['python_ratio']:7.3f} {r['copy_then_gemm_ratio']:9.3f} "
             f"{r['op_host_us']:8.1f}")
     lines.append("ratios: time / max(copy alone, GEMM alone), median of per-round ratios; "
                  "floor = 1 + 1/S; cs: the op with copy_stream=True; sk: with "
-                 "split_contraction=True too")
+                 "split_contraction=True too; auto: with split_contraction='auto' "
+                 "(c: it ran columns, r: rows)")
     return "\n".join(lines)
 
 
@@ -237,6 +251,7 @@ def main() -> int:
         op_for(s)
         op_for(s, copy_stream=True)
         op_for(s, copy_stream=True, split_contraction=True)
+        op_for(s, copy_stream=True, split_contraction="auto")
     build_s = time.perf_counter() - start
     w_host = torch.randn(K, N, dtype=DTYPE).pin_memory()
     w_host_t = w_host.t().contiguous().pin_memory()

@@ -54,7 +54,7 @@ def stale_goldens(out: Path) -> str:
 
 
 def show(name: str, stage: str, copy_stream: bool = False, staging: str = "slots",
-         split_contraction: bool = False) -> str:
+         split_contraction: bool | str = False) -> str:
     from . import lowering
     from .renderer import render
 
@@ -63,7 +63,10 @@ def show(name: str, stage: str, copy_stream: bool = False, staging: str = "slots
         return f"{fusion}\n\n# after the fusion passes\n{lowering.schedule(fusion)}"
     program = lowering.lower(fusion, copy_stream=copy_stream, staging=staging,
                              split_contraction=split_contraction)
-    return str(program) if stage == "hostir" else render(program)
+    if stage == "hostir":
+        return str(program)
+    variants = [program] if program.alternative is None else [program, program.alternative]
+    return "\n".join(map(render, variants))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -83,9 +86,11 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--staging", choices=("slots", "ring"), default="slots",
                    help="ring: host slices land in the thread's staging ring, their copies "
                         "running ahead of the caller's stream and across calls")
-    s.add_argument("--split-contraction", action="store_true",
+    s.add_argument("--split-contraction", nargs="?", const="on", choices=("on", "auto"),
                    help="a row-major host weight read by column blocks streams by row blocks "
-                        "instead, each slice accumulating onto the output")
+                        "instead, each slice accumulating onto the output; auto: by the "
+                        "blocks codegen.cost estimates faster (both loops printed where that "
+                        "depends on the call's extents)")
     t = sub.add_parser("timeline", help="profile an example on the GPU; draw its streams; "
                                         "for host copies, print how much the GEMMs hid")
     t.add_argument("example", choices=sorted(EXAMPLES))
@@ -100,8 +105,8 @@ def main(argv: list[str] | None = None) -> int:
         print("\n".join(f"wrote {args.out / c}" for c in changed) or "csrc_gen is up to date")
         return 0
     if args.command == "show":
-        print(show(args.example, args.stage, args.copy_stream, args.staging,
-                   args.split_contraction))
+        split = {None: False, "on": True, "auto": "auto"}[args.split_contraction]
+        print(show(args.example, args.stage, args.copy_stream, args.staging, split))
         return 0
     if args.command == "demo":
         from .demo import run_demo

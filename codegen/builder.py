@@ -48,7 +48,7 @@ import sys
 import sysconfig
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -58,6 +58,7 @@ import torch
 from . import autograd, collectives, distributed
 from . import hostir as hir
 from .evaluator import check_inputs, program_device
+from .ir import Sym
 from .renderer import (
     NAMESPACE,
     include_dir,
@@ -786,7 +787,7 @@ class CompiledOp:
     """
 
     def __init__(self, program: hir.HostProgram, op_name: str, library: Path,
-                 source: str | None = None) -> None:
+                 source: str | None = None, alternative: CompiledOp | None = None) -> None:
         self.host_ir = program
         self.op_name = op_name
         self.library = library
@@ -796,6 +797,29 @@ class CompiledOp:
         self._overload = self.op.default  # called directly: no overload resolution per call
         self._communicates = bool(distributed.communications(program))
         self._differentiable = differentiable(program)
+        # split_contraction="auto" left to the call: the op of program.alternative, the
+        # input axes that give the choice's extents, and the choice made per extents
+        self.alternative = alternative
+        self._extent_axes = _extent_axes(program) if alternative is not None else ()
+        self._chosen: dict[tuple[int, ...], CompiledOp] = {}
+
+    def pick(self, inputs: Sequence[torch.Tensor]) -> CompiledOp:
+        """The op that runs for ``inputs``: this one, or its alternative where the
+        program's choice picks that for the inputs' extents (``lower``'s
+        ``split_contraction="auto"``)."""
+        if self.alternative is None:
+            return self
+        if torch.compiler.is_compiling():  # traced: the extents become guards
+            return self._choose([int(inputs[i].shape[a]) for _, i, a in self._extent_axes])
+        key = tuple(inputs[i].shape[a] for _, i, a in self._extent_axes)
+        op = self._chosen.get(key)
+        if op is None:
+            op = self._chosen[key] = self._choose(key)
+        return op
+
+    def _choose(self, extents: Sequence[int]) -> CompiledOp:
+        env = {name: e for (name, _, _), e in zip(self._extent_axes, extents)}
+        return self if self.host_ir.chosen(env) is self.host_ir else self.alternative
 
     @property
     def source(self) -> str:
@@ -807,6 +831,10 @@ class CompiledOp:
     def __call__(self, *inputs: torch.Tensor, group: Any = None) -> Any:
         """Runs the op; a program with collectives runs them over ``group`` (default:
         torch.distributed's default group), resolved now."""
+        if self.alternative is not None:
+            op = self.pick(inputs)
+            if op is not self:
+                return op(*inputs, group=group)
         if self._communicates:
             pg = distributed.resolve_group(self.host_ir, group)
             return self._overload(*inputs, pg.group_name)  # type: ignore[union-attr]
@@ -823,6 +851,18 @@ class CompiledOp:
         return f"CompiledOp({self.name}, library={self.library})"
 
 
+def _extent_axes(program: hir.HostProgram) -> tuple[tuple[str, int, int], ...]:
+    """(extent, input position, axis): where a call's inputs give each named extent of
+    ``program``'s signature (the first input axis that names it)."""
+    found: dict[str, tuple[str, int, int]] = {}
+    for i, t in enumerate(program.inputs):
+        for a, e in enumerate(t.shape):
+            for name in e.symbols():
+                if e == Sym(name) and name not in found:
+                    found[name] = (name, i, a)
+    return tuple(found.values())
+
+
 _below_autograd = torch._C._AutoDispatchBelowAutograd
 _registered: set[str] = set()  # ops whose Python parts are registered in this process
 
@@ -830,6 +870,7 @@ _registered: set[str] = set()  # ops whose Python parts are registered in this p
 def build(program: hir.HostProgram, source: str | None = None) -> CompiledOp:
     """Builds (or loads from cache) the op of ``program``; ``source`` defaults to
     ``render(program)``."""
+    alternative = build(program.alternative) if program.alternative is not None else None
     name = op_name(program)
     if distributed.communications(program):
         collectives.register()
@@ -838,7 +879,7 @@ def build(program: hir.HostProgram, source: str | None = None) -> CompiledOp:
                                 key=f"rendered:{program_digest(program)}")
     else:
         library = build_library(name, source)
-    compiled = CompiledOp(program, name, library, source)
+    compiled = CompiledOp(program, name, library, source, alternative)
     register = _no_backward()  # built (once) before _lock is taken: build_library takes it
     with _lock:
         if compiled.name not in _registered:
@@ -850,13 +891,15 @@ def build(program: hir.HostProgram, source: str | None = None) -> CompiledOp:
 def compile(fusion: Any, *, pool_size: int = 4,  # noqa: A001 - public API
             gemm_sm_count: int = 0, gemm_library: str = "cublaslt",
             copy_stream: bool = False, staging: str = "slots",
-            split_contraction: bool = False) -> CompiledOp:
+            split_contraction: bool | str = False) -> CompiledOp:
     """Lower, render, build and load ``fusion`` as a torch op. ``gemm_sm_count`` caps the
     SMs of each GEMM (cuBLASLt's SM_COUNT_TARGET; 0 = all); ``gemm_library="cublas"``
     calls cublasGemmEx instead of cached cuBLASLt plans (the default); ``copy_stream``
     queues host-to-device copies on one stream; ``staging="ring"`` lands them in the
     thread's staging ring, ahead of the caller's stream; ``split_contraction`` streams a
-    row-major host operand read by column blocks as blocks of rows (see ``lower``)."""
+    row-major host operand read by column blocks as blocks of rows (see ``lower``);
+    ``"auto"`` builds both loops where the choice depends on the call's extents, and
+    each call runs the one ``codegen.cost`` estimates faster (``CompiledOp.pick``)."""
     from .lowering import lower
 
     return build(lower(fusion, pool_size=pool_size, gemm_sm_count=gemm_sm_count,

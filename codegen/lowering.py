@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import os
 import sys
+from typing import Any
 
 from . import distributed, passes
 from . import hostir as hir
 from .errors import ScheduleError
-from .ir import Fusion
+from .ir import Const, Fusion
 
 # The most worker streams a program may use (``lower``'s pool_size), as many as PyTorch's
 # own pool has per priority. Each thread that calls an op leases worker streams, each with
@@ -35,7 +36,7 @@ def _dump(title: str, text: str) -> None:
 
 def lower(fusion: Fusion, *, pool_size: int = 4, gemm_sm_count: int = 0,
           gemm_library: str = "cublaslt", copy_stream: bool = False,
-          staging: str = "slots", split_contraction: bool = False) -> hir.HostProgram:
+          staging: str = "slots", split_contraction: bool | str = False) -> hir.HostProgram:
     """Runs the fusion passes on a copy of ``fusion``, builds the host program and runs the
     host-IR passes. ``pool_size`` (1 to ``MAX_POOL_SIZE``) bounds the number of worker
     streams; ``gemm_sm_count`` (0 = all) caps the SMs each GEMM may use, leaving the rest
@@ -53,7 +54,10 @@ def lower(fusion: Fusion, *, pool_size: int = 4, gemm_sm_count: int = 0,
     synchronized first). ``split_contraction`` streams a row-major host operand that a
     matmul reads by column blocks (strided 2-D copies) by blocks of rows instead, the
     loop splitting the contraction and each slice accumulating onto the output
-    (``passes.split_contractions``)."""
+    (``passes.split_contractions``); ``split_contraction="auto"`` streams by whichever
+    blocks ``codegen.cost`` estimates faster: chosen here where every extent is known,
+    else by the call, from its extents, between this program (columns) and its
+    ``alternative`` (rows), both printed."""
     if not isinstance(fusion, Fusion):
         raise ScheduleError(f"lower expects a cg.Fusion, got {type(fusion).__name__}")
     if isinstance(pool_size, bool) or not isinstance(pool_size, int) or pool_size < 1:
@@ -72,8 +76,8 @@ def lower(fusion: Fusion, *, pool_size: int = 4, gemm_sm_count: int = 0,
                             f"(cublasGemmEx has no SM budget), got gemm_library={gemm_library!r}")
     if not isinstance(copy_stream, bool):
         raise ScheduleError(f"lower: copy_stream must be True or False, got {copy_stream!r}")
-    if not isinstance(split_contraction, bool):
-        raise ScheduleError(f"lower: split_contraction must be True or False, got "
+    if not isinstance(split_contraction, bool) and split_contraction != "auto":
+        raise ScheduleError(f"lower: split_contraction must be True, False or 'auto', got "
                             f"{split_contraction!r}")
     if staging not in hir.STAGINGS:
         choices = ", ".join(map(repr, hir.STAGINGS))
@@ -84,6 +88,7 @@ def lower(fusion: Fusion, *, pool_size: int = 4, gemm_sm_count: int = 0,
     dump = _dump_stages()
     work = fusion.clone()
     if distributed.is_distributed(work):  # tensor parallel: its own analysis and lowering
+        split_contraction = split_contraction is True
         if "ir" in dump:
             _dump("ir (distributed)", str(work))
         program = hir.verify(distributed.build_host_program(work, pool_size))
@@ -93,6 +98,15 @@ def lower(fusion: Fusion, *, pool_size: int = 4, gemm_sm_count: int = 0,
             if "ir" in dump:
                 _dump(f"ir after {fusion_pass.__name__}", str(work))
         segments = passes.segment(work)
+        if split_contraction == "auto":
+            choice = passes.contraction_choice(work, segments)
+            if choice is None:
+                split_contraction = False
+            else:
+                options = dict(pool_size=pool_size, gemm_sm_count=gemm_sm_count,
+                               gemm_library=gemm_library, copy_stream=copy_stream,
+                               staging=staging)
+                return _choose_contraction(fusion, choice, options)
         if split_contraction:
             segments = passes.split_contractions(work, segments)
         plan = passes.plan_allocations(work, segments)
@@ -108,6 +122,21 @@ def lower(fusion: Fusion, *, pool_size: int = 4, gemm_sm_count: int = 0,
         if "hostir" in dump:
             _dump(f"hostir after {host_pass.__name__}", str(program))
     return program
+
+
+def _choose_contraction(fusion: Fusion, choice: hir.ContractionChoice,
+                        options: dict[str, Any]) -> hir.HostProgram:
+    """``fusion`` lowered with ``split_contraction="auto"``: the loop ``choice``
+    estimates faster where its extents are all known, else the column loop with the row
+    loop as its alternative, for the call to pick."""
+    extents = [getattr(mm, f) for mm in choice.matmuls
+               for f in ("m", "k", "n", "slices", "column_block")]
+    if all(isinstance(e, Const) for e in extents):
+        program = lower(fusion, split_contraction=choice.rows({}), **options)
+        return program.replace(choice=choice)
+    columns = lower(fusion, split_contraction=False, **options)
+    rows = lower(fusion, split_contraction=True, **options)
+    return columns.replace(choice=choice, alternative=rows)
 
 
 def schedule(fusion: Fusion) -> Fusion:

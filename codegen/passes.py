@@ -363,20 +363,42 @@ def split_contractions(fusion: Fusion, segments: list[Segment]) -> list[Segment]
     each slice also reads and writes the whole output, and a bf16 output is rounded once
     per slice instead of once. An fp16 output keeps its column slices (a partial sum may
     overflow fp16 where the whole one fits)."""
+    rows = contraction_candidates(fusion, segments)
+    return [rows.get(i, seg) for i, seg in enumerate(segments)]
+
+
+def contraction_candidates(fusion: Fusion, segments: list[Segment]) -> dict[int, Segment]:
+    """The loops ``split_contractions`` would change, by position in ``segments``, each
+    with the loop that would replace it."""
     inputs = {id(t) for t in fusion.inputs}
-    out: list[Segment] = []
-    for seg in segments:
-        if seg.split is not None and len(seg.ops) == 1 and not seg.accumulate:
-            op = seg.ops[0]
-            a, b = op.operands().get("a"), op.operands().get("b")
-            if (op.defn.name == "matmul" and a is not None and b is not None
-                    and a.ndim == 2 and b.ndim == 2 and id(b) in inputs and b.device == "cpu"
-                    and seg.sliced.get((0, "b")) == 1 and (0, "a") not in seg.sliced
-                    and op.out.device == "cuda" and op.out.dtype != torch.float16):
-                split = _split_on(a, 1, seg.split.chain)
-                seg = Segment([op], split, {(0, "a"): 1, (0, "b"): 0}, {0})
-        out.append(seg)
-    return out
+    found: dict[int, Segment] = {}
+    for i, seg in enumerate(segments):
+        if seg.split is None or len(seg.ops) != 1 or seg.accumulate:
+            continue
+        op = seg.ops[0]
+        a, b = op.operands().get("a"), op.operands().get("b")
+        if (op.defn.name == "matmul" and a is not None and b is not None
+                and a.ndim == 2 and b.ndim == 2 and id(b) in inputs and b.device == "cpu"
+                and seg.sliced.get((0, "b")) == 1 and (0, "a") not in seg.sliced
+                and op.out.device == "cuda" and op.out.dtype != torch.float16):
+            split = _split_on(a, 1, seg.split.chain)
+            found[i] = Segment([op], split, {(0, "a"): 1, (0, "b"): 0}, {0})
+    return found
+
+
+def contraction_choice(fusion: Fusion, segments: list[Segment]) -> hir.ContractionChoice | None:
+    """What ``lower(..., split_contraction="auto")`` weighs: the extents of each loop
+    ``split_contractions`` could change (None if there is none)."""
+    matmuls = []
+    for i in contraction_candidates(fusion, segments):
+        seg = segments[i]
+        op = seg.ops[0]
+        a, b = op.operands()["a"], op.operands()["b"]
+        assert seg.split is not None
+        matmuls.append(hir.StreamedMatmul(op.out.name, a.name, b.name, a.shape[0], a.shape[1],
+                                          b.shape[1], seg.split.count, seg.split.chunk,
+                                          b.dtype, op.out.dtype))
+    return hir.ContractionChoice(tuple(matmuls)) if matmuls else None
 
 
 @dataclasses.dataclass

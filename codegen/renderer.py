@@ -567,6 +567,7 @@ def prepare(program: hir.HostProgram) -> dict[str, Any]:
         "namespace": NAMESPACE,
         "op_name": op_name(program),
         "signature": program.signature().removesuffix(":"),
+        "choice": program.choice_lines(),
         "params": ", ".join([f"torch::stable::Tensor {names(t.name)}_arg"
                              for t in program.inputs] + group_param),
         "schema_args": ", ".join([f"Tensor {names(t.name)}" for t in program.inputs]

@@ -73,8 +73,8 @@ def test_the_option_is_off_by_default_and_only_takes_matching_loops():
 
 
 def test_bad_option_is_named():
-    with pytest.raises(cg.ScheduleError, match=r"lower: split_contraction must be True or "
-                                               r"False, got 'yes'"):
+    with pytest.raises(cg.ScheduleError, match=r"lower: split_contraction must be True, "
+                                               r"False or 'auto', got 'yes'"):
         cg.lower(examples.stream_weights(torch.float32, 4), split_contraction="yes")
 
 

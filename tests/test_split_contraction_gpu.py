@@ -41,6 +41,18 @@ def test_exact_on_integers(slices, k, options):
         assert torch.equal(op(x, w).cpu(), x.cpu() @ w)
 
 
+def test_auto_runs_the_loop_it_picks_exactly():
+    """split_contraction="auto": a short x streams w by rows, a long one by columns (fp32
+    GEMMs are slow enough for the columns' 1 KiB rows to hide under them); both exact."""
+    op = cg.compile(examples.stream_weights(torch.float32, 4), split_contraction="auto",
+                    copy_stream=True)
+    w = ints(1024, 1024, lo=-2, hi=3).pin_memory()
+    for m, rows in ((64, True), (8192, False)):
+        x = ints(m, 1024, device=CUDA, lo=-2, hi=3)
+        assert (op.pick([x, w]) is op.alternative) is rows
+        assert torch.equal(op(x, w).cpu(), x.cpu() @ w)
+
+
 @pytest.mark.parametrize("layout", ["transposed", "column block", "every other column"])
 def test_any_host_layout(layout):
     """Row blocks of a column-major or padded weight are 2-D copies: still exact."""

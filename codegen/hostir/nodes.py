@@ -4,12 +4,13 @@
 from __future__ import annotations
 
 import dataclasses
+import textwrap
 from collections.abc import Iterator, Mapping
 from typing import Any, ClassVar
 
 import torch
 
-from .. import ops
+from .. import cost, ops
 from ..errors import InternalError
 from ..ir import DEVICES, DTYPE_NAMES, Expr, ParallelType
 
@@ -569,6 +570,54 @@ STAGINGS = ("slots", "ring")
 GEMM_LIBRARIES = ("cublaslt", "cublas")
 
 
+@dataclasses.dataclass(frozen=True)
+class StreamedMatmul:
+    """A loop of one matmul ``out = a @ host`` that streams ``host [k, n]`` (row-major, in
+    host memory) by ``slices`` blocks of ``column_block`` columns, and could stream it by
+    blocks of rows instead (``passes.split_contractions``)."""
+
+    out: str
+    a: str
+    host: str
+    m: Expr
+    k: Expr
+    n: Expr
+    slices: Expr
+    column_block: Expr
+    dtype: torch.dtype
+    out_dtype: torch.dtype
+
+    def cost(self, env: Mapping[str, int]) -> cost.StreamedMatmulCost:
+        e = {f: getattr(self, f).evaluate(env) for f in ("m", "k", "n", "slices", "column_block")}
+        return cost.streamed_matmul(e["m"], e["k"], e["n"], e["slices"], e["column_block"],
+                                    self.dtype, self.out_dtype)
+
+    def __str__(self) -> str:
+        return (f"{self.out} = {self.a}[{self.m}, {self.k}] @ {self.host}[{self.k}, {self.n}] "
+                f"in {self.slices} slices")
+
+
+@dataclasses.dataclass(frozen=True)
+class ContractionChoice:
+    """How a program lowered with ``split_contraction="auto"`` picks between streaming
+    its host operands by blocks of columns and by blocks of rows: ``codegen.cost``'s
+    estimates of both loops for the call's extents."""
+
+    matmuls: tuple[StreamedMatmul, ...]
+
+    def rows(self, env: Mapping[str, int]) -> bool:
+        """Whether blocks of rows are estimated faster for the extents ``env``."""
+        return cost.prefer_rows([mm.cost(env) for mm in self.matmuls])
+
+    def estimate_str(self, env: Mapping[str, int]) -> str:
+        costs = [mm.cost(env) for mm in self.matmuls]
+        columns, rows = sum(c.columns_ms for c in costs), sum(c.rows_ms for c in costs)
+        return f"columns {columns:.2f} ms, rows {rows:.2f} ms estimated"
+
+    def __str__(self) -> str:
+        return "; ".join(map(str, self.matmuls))
+
+
 @dataclasses.dataclass(eq=False)
 class HostProgram:
     name: str
@@ -582,6 +631,11 @@ class HostProgram:
     copy_stream: bool = False  # host-to-device copies on one stream (queue_copies_in)
     staging: str = "slots"  # one of STAGINGS: where streamed host slices land on the GPU
     split_contraction: bool = False  # column blocks of host operands streamed as row blocks
+    # split_contraction="auto": what the choice weighs, and the program that streams by rows
+    # where the choice is left to the call (this one streams by columns); where the lowering
+    # knew every extent, the choice it made, and no alternative.
+    choice: ContractionChoice | None = None
+    alternative: HostProgram | None = None
     # The user's fusion this program was lowered from, for its backward (codegen.autograd);
     # None for a program with no backward (a backward itself). Not part of the program:
     # its nodes say everything it runs, so the digest and equality leave it out.
@@ -601,6 +655,13 @@ class HostProgram:
     def replace(self, **changes: object) -> HostProgram:
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
 
+    def chosen(self, env: Mapping[str, int]) -> HostProgram:
+        """The program that runs for the extents ``env``: this one, or its alternative
+        where its choice picks blocks of rows."""
+        if self.alternative is not None and self.choice is not None and self.choice.rows(env):
+            return self.alternative
+        return self
+
     def allocations(self) -> dict[str, TensorInfo]:
         return {n.out.name: n.out for n in self.nodes() if isinstance(n, Allocate)}
 
@@ -613,13 +674,16 @@ class HostProgram:
             options.append("copy_stream")
         if self.staging != "slots":
             options.append(f"staging={self.staging}")
-        if self.split_contraction:
+        if self.choice is not None:
+            options.append("split_contraction=auto")
+        elif self.split_contraction:
             options.append("split_contraction")
         shown = f" [{', '.join(options)}]" if options else ""
         return f"HostProgram {self.name}({args}) -> ({', '.join(self.outputs)}){shown}:"
 
     def __str__(self) -> str:
         lines = [self.signature()]
+        lines += [f"  # {line}" for line in self.choice_lines()]
 
         def emit(nodes: list[Node], depth: int) -> None:
             for n in nodes:
@@ -628,7 +692,26 @@ class HostProgram:
 
         emit(self.body, 1)
         lines.append(f"  return {', '.join(self.outputs)}")
+        if self.alternative is not None:
+            lines.append(str(self.alternative.replace(choice=None)))
         return "\n".join(lines)
+
+    def choice_lines(self) -> list[str]:
+        """``choice_str`` wrapped for a comment (none without a choice)."""
+        return textwrap.wrap(self.choice_str(), 92) if self.choice is not None else []
+
+    def choice_str(self) -> str:
+        """What ``split_contraction="auto"`` chose, or how the call chooses."""
+        assert self.choice is not None
+        hosts = ", ".join(dict.fromkeys(mm.host for mm in self.choice.matmuls))
+        if self.alternative is not None:
+            how = (f"{hosts} streamed by blocks of columns (this program) or of rows (its "
+                   f"alternative), whichever codegen.cost estimates faster for the call's "
+                   f"extents")
+        else:
+            made = "rows" if self.split_contraction else "columns"
+            how = f"{hosts} streamed by blocks of {made}: {self.choice.estimate_str({})}"
+        return f"split_contraction=auto: {self.choice}; {how}"
 
 
 class _FreshNames:

@@ -1,0 +1,167 @@
+"""Choosing between streaming a row-major host weight by blocks of columns and by blocks of
+rows (``split_contraction="auto"``): the cost model against the loops measured on the
+H200, the choice made at lowering where every extent is known, the choice left to the
+call (both loops printed, both built, each call running the one estimated faster), and
+every path exact against torch."""
+
+import pytest
+import torch
+from conftest import ints
+
+import codegen as cg
+from codegen import cost, examples, races
+
+# bench_copy on the H200 (benchmarks/RESULTS.md, "Split contraction, copy stream, dense
+# slices"): bf16 x [m, 8192] @ w [8192, 8192], op / floor of the column loop (copy
+# stream) and of the split contraction, by shape and S.
+MEASURED = {
+    ("balanced", 12288): {2: (0.993, 1.017), 4: (1.165, 1.065), 8: (1.451, 1.132),
+                          16: (2.223, 1.538)},
+    ("copy-bound", 3072): {2: (0.785, 0.792), 4: (1.034, 0.911), 8: (1.363, 0.996),
+                           16: (2.165, 1.053)},
+    ("GEMM-bound", 37632): {2: (0.808, 0.859), 4: (0.954, 1.081), 8: (1.064, 1.329),
+                            16: (1.180, 1.816)},
+}
+ROWS = [(shape, m, s, *ratios) for (shape, m), by_s in MEASURED.items()
+        for s, ratios in by_s.items()]
+
+
+def weights(m="m", k="k", n="n", slices=4, dtype=torch.float32, name="weights"):
+    """x [m, k] @ w [k, n] (w in host memory), output columns in ``slices`` slices."""
+    with cg.Fusion(name) as f:
+        out = cg.matmul(cg.input([m, k], dtype, name="x"),
+                        cg.input([k, n], dtype, name="w", device="cpu"))
+        cg.output(out)
+    out.outer_split(1, slices)
+    out.axis(1).parallelize(cg.ParallelType.Stream)
+    return f
+
+
+def comment(program):
+    """The comment under the signature, its lines joined."""
+    lines = str(program).splitlines()[1:]
+    return " ".join(line.removeprefix("  # ") for line in lines if line.startswith("  # "))
+
+
+@pytest.mark.parametrize(("shape", "m", "slices", "columns", "rows"), ROWS)
+def test_the_model_picks_the_loop_measured_faster(shape, m, slices, columns, rows):
+    estimate = cost.streamed_matmul(m, 8192, 8192, slices, 8192 // slices, torch.bfloat16,
+                                    torch.bfloat16)
+    assert cost.prefer_rows([estimate]) == (rows < columns)
+
+
+def test_row_efficiency_rises_with_row_length_through_the_measured_points():
+    lengths = [2**p for p in range(4, 20)]
+    shares = [cost.row_efficiency(b) for b in lengths]
+    assert all(0 < a < b <= 1 for a, b in zip(shares, shares[1:]))
+    for row_bytes, share in cost.ROW_EFFICIENCY:
+        assert cost.row_efficiency(row_bytes) == pytest.approx(share)
+    assert cost.row_efficiency(2**20) > 0.999
+
+
+@pytest.mark.parametrize(("m", "rows"), [(3072, True), (37632, False)],
+                         ids=["copy-bound", "GEMM-bound"])
+def test_known_extents_are_chosen_at_lowering(m, rows):
+    program = cg.lower(weights(m, 8192, 8192, 8, torch.bfloat16), split_contraction="auto")
+    assert program.alternative is None and program.split_contraction is rows
+    assert ("accumulate=True" in str(program)) is rows
+    made = "rows" if rows else "columns"
+    assert program.choice_str().startswith(
+        f"split_contraction=auto: T2 = x[{m}, 8192] @ w[8192, 8192] in 8 slices; w streamed "
+        f"by blocks of {made}: columns ")
+    assert comment(program) == program.choice_str()
+    assert "[split_contraction=auto]" in str(program).splitlines()[0]
+
+
+def test_symbolic_extents_leave_the_choice_to_the_call():
+    program = cg.lower(weights(dtype=torch.bfloat16), split_contraction="auto")
+    columns, rows = program, program.alternative
+    assert rows is not None and rows.split_contraction and not columns.split_contraction
+    assert str(columns).endswith("\n  return T2\n" + str(rows))
+    assert str(rows).startswith("HostProgram weights(") and "accumulate=True" in str(rows)
+    assert comment(columns) == columns.choice_str()
+    assert columns.choice_str().endswith(
+        "w streamed by blocks of columns (this program) or of rows (its alternative), "
+        "whichever codegen.cost estimates faster for the call's extents")
+    big = {"k": 8192, "n": 8192}
+    assert program.chosen({"m": 3072, **big}) is rows
+    assert program.chosen({"m": 37632, **big}) is columns
+    # fp32 GEMMs are an order of magnitude slower: the same extents keep their columns
+    fp32 = cg.lower(weights(), split_contraction="auto")
+    assert fp32.chosen({"m": 3072, **big}) is fp32
+
+
+def test_no_candidate_means_no_choice():
+    program = cg.lower(examples.offload_linear(torch.float32, 4), split_contraction="auto")
+    assert program.choice is None and program.alternative is None
+    assert str(program) == str(cg.lower(examples.offload_linear(torch.float32, 4)))
+
+
+@pytest.mark.parametrize("rows", [True, False])
+@pytest.mark.parametrize("options", [{}, {"copy_stream": True}, {"staging": "ring"}],
+                         ids=["slots", "copy_stream", "ring"])
+def test_either_choice_is_exact_and_ordered(monkeypatch, rows, options):
+    monkeypatch.setattr(cost, "prefer_rows", lambda costs: rows)
+    program = cg.lower(weights(slices=3), split_contraction="auto", **options)
+    x, w = ints(7, 20), ints(20, 11)
+    assert program.chosen({"m": 7, "k": 20, "n": 11}) is (program.alternative if rows
+                                                           else program)
+    races.check(program, [x, w])
+    (y,) = cg.evaluate(program, [x, w])
+    assert torch.equal(y, x @ w)
+
+
+@pytest.mark.parametrize("rows", [True, False])
+def test_gradients_through_either_choice(monkeypatch, rows):
+    monkeypatch.setattr(cost, "prefer_rows", lambda costs: rows)
+    x, w = ints(6, 16, dtype=torch.float64), ints(16, 12, dtype=torch.float64)
+    program = cg.lower(weights(slices=4, dtype=torch.float64), split_contraction="auto")
+    xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
+    (y,) = cg.evaluate(program, [xg, wg])
+    dy = ints(6, 12, dtype=torch.float64)
+    y.backward(dy)
+    assert torch.equal(xg.grad, dy @ w.T) and torch.equal(wg.grad, x.T @ dy)
+
+
+def test_compiled_op_builds_both_loops_and_picks_per_call(cache_dir):
+    op = cg.compile(weights(dtype=torch.bfloat16), split_contraction="auto")
+    assert op.alternative is not None and op.alternative.host_ir is op.host_ir.alternative
+    assert op.host_ir.split_contraction is False and op.alternative.host_ir.split_contraction
+
+    def shaped(m):
+        return [torch.empty(m, 8192, dtype=torch.bfloat16, device="meta"),
+                torch.empty(8192, 8192, dtype=torch.bfloat16)]
+
+    assert op.pick(shaped(3072)) is op.alternative
+    assert op.pick(shaped(37632)) is op
+    assert op.pick(shaped(3072)) is op.alternative  # remembered per extents
+    assert op.alternative.pick(shaped(37632)) is op.alternative
+
+
+def test_cli_shows_both_loops():
+    from codegen.__main__ import show
+
+    text = show("stream_weights", "hostir", split_contraction="auto")
+    assert text.count("HostProgram stream_weights(") == 2
+    cpp = show("stream_weights", "cpp", split_contraction="auto")
+    assert cpp.count("// @generated by codegen") == 2
+    program = cg.lower(examples.stream_weights(), split_contraction="auto")
+    assert "\n".join(f"// {line}" for line in program.choice_lines()) in cpp
+
+
+def test_torch_compile_traces_the_loop_each_shape_picks(cache_dir):
+    """Traced, the choice becomes a guard on the extents: each m compiles to a graph that
+    calls the op it picks."""
+    op = cg.compile(weights(dtype=torch.bfloat16), split_contraction="auto")
+    called: list[set[str]] = []
+
+    def backend(gm, example_inputs):
+        called.append({str(n.target) for n in gm.graph.nodes if n.op == "call_function"})
+        return gm
+
+    f = torch.compile(lambda x, w: op(x, w), fullgraph=True, backend=backend)
+    w = torch.empty(8192, 8192, dtype=torch.bfloat16)
+    for m, picked in ((3072, op.alternative), (37632, op)):
+        y = f(torch.empty(m, 8192, dtype=torch.bfloat16, device="meta"), w)
+        assert y.shape == (m, 8192)
+        assert any(picked.op_name in target for target in called[-1]), called[-1]
