@@ -22,7 +22,8 @@ three times it (GEMM-bound), and S = 1, 2, 4, 8, 16, it reports per row:
 - auto / floor: lowered with ``split_contraction="auto"`` (and the copy stream): each call
   runs the loop ``codegen.cost`` estimates faster for its m (``auto_loop`` in the JSON);
 - the same op reading a column-major w (w^T stored contiguous, as nn.Linear keeps it):
-  each slice is one 1-D copy instead of a 2-D one;
+  each slice is one 1-D copy instead of a 2-D one; and (col_cs) that op with the copy
+  stream;
 - the hand-written Python pipeline (``benchmarks.common.PythonCopyPipeline``): w pre-split once into
   contiguous pinned column blocks, each copied into its stream's staging buffer and
   multiplied on stream i % 4;
@@ -34,7 +35,7 @@ of at least one second, and each ratio is the median over rounds of the per-roun
 (the H200 power-caps within a second of sustained GEMMs: whatever runs first would win).
 Host microseconds per op call are measured with the GPU kept busy. The timing code and
 the baseline are in ``benchmarks.common``.
-Writes copy.json to --out and prints a table; about 1.5 minutes on an H200 (builds
+Writes copy.json to --out and prints a table; about 2 minutes on an H200 (builds
 included).
 """
 
@@ -120,8 +121,9 @@ def measure_shape(label: str, m: int, w_host: torch.Tensor, w_host_t: torch.Tens
         variants[f"op_cs/s{s}"] = lambda op=op_cs: op(x, w_host)
         variants[f"op_sk/s{s}"] = lambda op=op_sk: op(x, w_host)
         variants[f"op_col/s{s}"] = lambda op=op: op(x, w_col)
+        variants[f"op_col_cs/s{s}"] = lambda op=op_cs: op(x, w_col)
         variants[f"python/s{s}"] = lambda p=pipeline: p(x)
-        for v in ("op", "op_cs", "op_sk", "op_auto", "op_col", "python"):
+        for v in ("op", "op_cs", "op_sk", "op_auto", "op_col", "op_col_cs", "python"):
             y = variants[f"{v}/s{s}"]().float()
             errors[f"{v}/s{s}"] = ((y - ref).norm() / ref.norm()).item()
     del ref
@@ -158,6 +160,8 @@ def measure_shape(label: str, m: int, w_host: torch.Tensor, w_host_t: torch.Tens
             "op_auto_floor_ratio": median_ratio(t[f"op_auto/s{s}"], bound) / floor,
             "auto_loop": auto_loop(s, x, w_host),
             "op_col_ratio": median_ratio(t[f"op_col/s{s}"], bound),
+            "op_col_cs_floor_ratio": median_ratio(t[f"op_col_cs/s{s}"], bound) / floor,
+            "op_col_floor_ratio": median_ratio(t[f"op_col/s{s}"], bound) / floor,
             "python_ratio": median_ratio(t[f"python/s{s}"], bound),
             "op_python_ratio": median_ratio(t[f"op/s{s}"], t[f"python/s{s}"]),
             "copy_then_gemm_ratio": median_ratio(t["copy_then_gemm"], bound),
@@ -214,7 +218,7 @@ def nvtx_range_ns() -> float | None:
 def table(rows: list[dict[str, Any]]) -> str:
     head = (f"{'shape':>10} {'m':>6} {'S':>3} {'copy ms':>8} {'GEMM ms':>8} {'op ms':>8} "
             f"{'op/max':>7} {'floor':>6} {'op/floor':>8} {'cs/floor':>8} {'sk/floor':>8} "
-            f"{'auto/floor':>10} {'op(w^T)':>8} "
+            f"{'auto/floor':>10} {'op(w^T)':>8} {'w^T/floor':>9} {'w^T cs':>7} "
             f"{'python':>7} {'copy+GEMM':>9} {'host us':>8}")
     lines = [head, "-" * len(head)]
     for r in rows:
@@ -224,12 +228,14 @@ def table(rows: list[dict[str, Any]]) -> str:
             f"{r['floor_ratio']:6.3f} {r['op_floor_ratio']:8.3f} "
             f"{r['op_cs_floor_ratio']:8.3f} {r['op_sk_floor_ratio']:8.3f} "
             f"{r['op_auto_floor_ratio']:6.3f} {r['auto_loop'][0]:>3} {r['op_col_ratio']:8.3f} "
+            f"{r['op_col_floor_ratio']:9.3f} {r['op_col_cs_floor_ratio']:7.3f} "
             f"{r['python_ratio']:7.3f} {r['copy_then_gemm_ratio']:9.3f} "
             f"{r['op_host_us']:8.1f}")
     lines.append("ratios: time / max(copy alone, GEMM alone), median of per-round ratios; "
                  "floor = 1 + 1/S; cs: the op with copy_stream=True; sk: with "
                  "split_contraction=True too; auto: with split_contraction='auto' "
-                 "(c: it ran columns, r: rows)")
+                 "(c: it ran columns, r: rows); w^T: a column-major w (dense slices), "
+                 "w^T cs: with the copy stream, both / floor")
     return "\n".join(lines)
 
 

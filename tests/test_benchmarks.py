@@ -435,19 +435,6 @@ def test_bench_copy_nvtx_cost_builds_and_runs_without_gpu():
     assert ns is None or 0 < ns < 10_000
 
 
-def test_bench_copy_table_shows_every_loop():
-    from benchmarks import bench_copy
-
-    ratios = dict.fromkeys(["op_ratio", "floor_ratio", "op_floor_ratio", "op_cs_floor_ratio",
-                            "op_sk_floor_ratio", "op_auto_floor_ratio", "op_col_ratio",
-                            "python_ratio", "copy_then_gemm_ratio"], 1.25)
-    row = {"shape": "balanced", "m": 12288, "slices": 4, "copy_ms": 2.42, "gemm_ms": 2.05,
-           "op_ms": 3.0, "op_host_us": 30.0, "auto_loop": "rows", **ratios,
-           "op_auto_floor_ratio": 1.0625}
-    lines = bench_copy.table([row]).splitlines()
-    assert "auto/floor" in lines[0] and " 1.062   r " in lines[2]
-
-
 def test_bench_overlap_row_and_line():
     from benchmarks import bench_overlap as bo
 

@@ -717,12 +717,16 @@ def test_bench_copy_table_and_ratios():
     assert median_ratio([2.0, 3.0, 10.0], [1.0, 1.0, 1.0]) == 3.0
     row = {"shape": "balanced", "m": 13312, "slices": 8, "copy_ms": 2.4, "gemm_ms": 2.3,
            "op_ms": 2.8, "op_ratio": 1.17, "floor_ratio": 1.125, "op_floor_ratio": 1.04,
-           "op_cs_floor_ratio": 1.01, "op_sk_floor_ratio": 1.02, "op_col_ratio": 1.15,
-           "python_ratio": 1.2, "copy_then_gemm_ratio": 1.96, "op_host_us": 120.0}
+           "op_cs_floor_ratio": 1.01, "op_sk_floor_ratio": 1.02, "op_auto_floor_ratio": 1.03,
+           "auto_loop": "rows", "op_col_ratio": 1.15, "op_col_floor_ratio": 1.022,
+           "op_col_cs_floor_ratio": 1.011, "python_ratio": 1.2, "copy_then_gemm_ratio": 1.96,
+           "op_host_us": 120.0}
     text = bench_copy.table([row])
     assert "balanced  13312   8" in text
-    # op, floor, op/floor, copy stream, split contraction, w^T
-    assert "1.170  1.125    1.040    1.010    1.020    1.150" in text
+    # op, floor, op/floor, copy stream, split contraction, auto (rows), w^T, its / floor
+    # without and with the copy stream
+    assert ("1.170  1.125    1.040    1.010    1.020  1.030   r    1.150     1.022   1.011"
+            in text)
 
 
 WARN_PROBE = """
