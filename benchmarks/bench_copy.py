@@ -91,7 +91,7 @@ def op_for(slices: int, copy_stream: bool = False,
 def auto_loop(slices: int, x: torch.Tensor, w: torch.Tensor) -> str:
     """Which loop the ``split_contraction="auto"`` op runs for these inputs."""
     op = op_for(slices, copy_stream=True, split_contraction="auto")
-    return "columns" if op.pick([x, w]) is op else "rows"
+    return "rows" if op.pick([x, w]).host_ir.split_contraction else "columns"
 
 
 def measure_shape(label: str, m: int, w_host: torch.Tensor, w_host_t: torch.Tensor,

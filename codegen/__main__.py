@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--staging", choices=("slots", "ring"), default="slots",
                    help="ring: host slices land in the thread's staging ring, their copies "
                         "running ahead of the caller's stream and across calls")
-    s.add_argument("--split-contraction", nargs="?", const="on", choices=("on", "auto"),
+    s.add_argument("--split-contraction", nargs="?", const=True, choices=("auto",),
                    help="a row-major host weight read by column blocks streams by row blocks "
                         "instead, each slice accumulating onto the output; auto: by the "
                         "blocks codegen.cost estimates faster (both loops printed where that "
@@ -105,8 +105,8 @@ def main(argv: list[str] | None = None) -> int:
         print("\n".join(f"wrote {args.out / c}" for c in changed) or "csrc_gen is up to date")
         return 0
     if args.command == "show":
-        split = {None: False, "on": True, "auto": "auto"}[args.split_contraction]
-        print(show(args.example, args.stage, args.copy_stream, args.staging, split))
+        print(show(args.example, args.stage, args.copy_stream, args.staging,
+                   args.split_contraction or False))
         return 0
     if args.command == "demo":
         from .demo import run_demo

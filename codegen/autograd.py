@@ -315,13 +315,12 @@ class Runner:
         program = lower(fusion, pool_size=p.pool_size, gemm_sm_count=p.gemm_sm_count,
                         gemm_library=p.gemm_library if keep else backward_gemm_library(p),
                         copy_stream=p.copy_stream, staging=p.staging,
-                        split_contraction="auto" if p.choice else p.split_contraction)
-        if not keep:  # no backward of a backward
-            program = program.replace(source=None, alternative=program.alternative and
-                                      program.alternative.replace(source=None))
+                        split_contraction=p.split_contraction)  # the loop the forward runs
+        if not keep:
+            program = program.replace(source=None)  # no backward of a backward
         if self.compiled:
             op = build(program)
-            return lambda *args: _as_list(op.pick(args)._overload(*args))
+            return lambda *args: _as_list(op._overload(*args))
         return lambda *args: evaluate(program, list(args))
 
 

@@ -798,28 +798,40 @@ class CompiledOp:
         self._communicates = bool(distributed.communications(program))
         self._differentiable = differentiable(program)
         # split_contraction="auto" left to the call: the op of program.alternative, the
-        # input axes that give the choice's extents, and the choice made per extents
+        # input axes that give the choice's extents, the host inputs whose layout it
+        # reads, and the choice made per (extents, layouts)
         self.alternative = alternative
         self._extent_axes = _extent_axes(program) if alternative is not None else ()
-        self._chosen: dict[tuple[int, ...], CompiledOp] = {}
+        self._host_inputs = [(i, t.name) for i, t in enumerate(program.inputs)
+                             if t.device == "cpu"] if alternative is not None else []
+        self._chosen: dict[tuple[int | bool, ...], CompiledOp] = {}
 
     def pick(self, inputs: Sequence[torch.Tensor]) -> CompiledOp:
         """The op that runs for ``inputs``: this one, or its alternative where the
-        program's choice picks that for the inputs' extents (``lower``'s
-        ``split_contraction="auto"``)."""
+        program's choice picks that for the inputs' extents and layouts (``lower``'s
+        ``split_contraction="auto"``); this one for inputs it cannot read (its input
+        checks then say what is wrong)."""
         if self.alternative is None:
             return self
-        if torch.compiler.is_compiling():  # traced: the extents become guards
-            return self._choose([int(inputs[i].shape[a]) for _, i, a in self._extent_axes])
-        key = tuple(inputs[i].shape[a] for _, i, a in self._extent_axes)
+        try:
+            extents = [inputs[i].shape[a] for _, i, a in self._extent_axes]
+            layouts = [hir.row_major_matrix(inputs[i]) for i, _ in self._host_inputs]
+        except (IndexError, AttributeError, TypeError):
+            return self
+        key = (*extents, *layouts)
+        if torch.compiler.is_compiling() or not all(type(e) is int for e in extents):
+            return self._choose(key)  # traced or symbolic: the choice becomes guards
         op = self._chosen.get(key)
         if op is None:
             op = self._chosen[key] = self._choose(key)
         return op
 
-    def _choose(self, extents: Sequence[int]) -> CompiledOp:
-        env = {name: e for (name, _, _), e in zip(self._extent_axes, extents)}
-        return self if self.host_ir.chosen(env) is self.host_ir else self.alternative
+    def _choose(self, key: tuple[Any, ...]) -> CompiledOp:
+        assert self.host_ir.choice is not None and self.alternative is not None
+        n = len(self._extent_axes)
+        env = {name: int(e) for (name, _, _), e in zip(self._extent_axes, key[:n])}
+        row_major = {name: bool(f) for (_, name), f in zip(self._host_inputs, key[n:])}
+        return self.alternative if self.host_ir.choice.rows(env, row_major) else self
 
     @property
     def source(self) -> str:
@@ -870,7 +882,10 @@ _registered: set[str] = set()  # ops whose Python parts are registered in this p
 def build(program: hir.HostProgram, source: str | None = None) -> CompiledOp:
     """Builds (or loads from cache) the op of ``program``; ``source`` defaults to
     ``render(program)``."""
-    alternative = build(program.alternative) if program.alternative is not None else None
+    alternative = None
+    if program.alternative is not None:  # as differentiable as the program it stands for
+        alternative = build(program.alternative if program.source is not None
+                            else program.alternative.replace(source=None))
     name = op_name(program)
     if distributed.communications(program):
         collectives.register()

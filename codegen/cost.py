@@ -6,26 +6,29 @@ lives in host memory (row-major) and is read by the loop in blocks of columns ca
 stream ``b`` by blocks of rows, each slice adding its product onto the whole output (the
 split contraction, ``passes.split_contractions``). A block of columns is a 2-D copy of
 short rows, which the copy engine moves slower the shorter the rows; a block of rows is one
-dense copy, but every slice reads and writes the whole output::
+dense copy, but every slice reads and writes the whole output. Each loop is a two-stage
+pipeline (copy, then GEMM, per slice), estimated as its longer stage plus one slice of the
+shorter (the first copy before any GEMM, or the last GEMM after every copy)::
 
-    columns  ~ max(copy(b) / efficiency(bytes of one row of a block), gemm)
-    rows     ~ max(copy(b), gemm + 2 * slices * bytes(out) / HBM bandwidth)
+    columns  ~ max(Cc, G) + min(Cc, G) / slices,   Cc = copy(b) / efficiency(row bytes)
+    rows     ~ max(C, Gr) + min(C, Gr) / slices,   Gr = G + 2 * slices * bytes(out) / HBM
 
-``copy(b)`` is b's bytes at the pinned host-to-device rate, ``gemm`` the whole product's
-flops at the GEMM rate. Both loops also pay one slice's copy before the first GEMM and one
-slice's GEMM after the last copy, the same for both, left out. Rows are chosen only when
-they are estimated at least ``MARGIN`` faster: the estimate leaves out that a split
-contraction's thinner GEMMs run a little less efficiently and round a bf16 output once per
-slice.
+``C = copy(b)`` is b's bytes at the pinned host-to-device rate, ``G`` the whole product's
+flops at the GEMM rate; a column block as wide as b (one slice) is a dense copy. Rows are
+chosen only when estimated at least ``MARGIN`` faster: near a tie the column loop, which
+rounds a bf16 output once instead of once per slice, is kept. A host operand that is not
+row-major (a transposed or column-major ``b``) has dense column blocks already, and its
+row blocks would be the 2-D copies: it keeps its columns (``ContractionChoice.rows``).
 
-The constants are the H200's (benchmarks/RESULTS.md, "Weights streamed from pinned host
-memory"): dense copies at 55.3 GB/s; a block of columns copied under GEMMs (on the copy
-stream) reached 0.93 / 0.81 / 0.66 / 0.435 of that with rows of 8 / 4 / 2 / 1 KiB
-(the copy-bound shape, S = 2 / 4 / 8 / 16); bf16 GEMMs ran at 805 TFLOP/s (x [12288,
-8192] @ w [8192, 8192] in 2.05 ms). The HBM bandwidth and the fp32 GEMM rate are the
-H200's data-sheet figures (4.8 TB/s; 67 TFLOP/s, of which 90% is taken), not measured here.
-Against that table (balanced, copy-bound and GEMM-bound shapes, S = 2 / 4 / 8 / 16) the
-rule picks the loop measured faster in every row; ``tests/test_cost.py`` holds the table.
+The constants are the H200's (benchmarks/RESULTS.md): dense copies at 55.3 GB/s; 2-D
+copies traced under GEMMs at 49 / 37 / 24 GB/s with rows of 4 / 2 / 1 KiB (0.89 / 0.67 /
+0.44 of dense), and within 5% of dense with 8 KiB rows (S = 2); bf16 GEMMs at 805 TFLOP/s
+(x [12288, 8192] @ w [8192, 8192] in 2.05 ms). The HBM bandwidth and the fp32 GEMM rate
+are the H200's data-sheet figures (4.8 TB/s; 67 TFLOP/s, of which 90% is taken), not
+measured here. Against the loops measured on three shapes at S = 2 / 4 / 8 / 16 (balanced,
+copy-bound, GEMM-bound) the estimated ratio of the two loops was within 0.1 of the measured
+one in 10 of the 12 rows (0.15 and 0.18 too high at S = 16) and the rule picks the faster
+loop in every row; ``tests/test_cost.py`` holds that table.
 """
 
 from __future__ import annotations
@@ -39,8 +42,8 @@ COPY_BYTES_PER_MS = 55.3e6  # pinned host-to-device, dense
 HBM_BYTES_PER_MS = 4.8e9
 GEMM_FLOPS_PER_MS = {torch.bfloat16: 805e9, torch.float16: 805e9, torch.float32: 60e9}
 # Share of the dense copy rate that a 2-D copy of rows of this many bytes reached.
-ROW_EFFICIENCY = ((1024, 0.435), (2048, 0.66), (4096, 0.81), (8192, 0.93))
-MARGIN = 1.10
+ROW_EFFICIENCY = ((1024, 0.44), (2048, 0.67), (4096, 0.89), (8192, 0.95))
+MARGIN = 1.05
 
 
 def row_efficiency(row_bytes: int) -> float:
@@ -72,15 +75,20 @@ class StreamedMatmulCost:
 
 def streamed_matmul(m: int, k: int, n: int, slices: int, column_block: int,
                     dtype: torch.dtype, out_dtype: torch.dtype) -> StreamedMatmulCost:
-    """The two estimates for ``out [m, n] = a [m, k] @ b [k, n]``, ``b`` (``dtype``) in
-    host memory, in ``slices`` slices of ``column_block`` columns (or of rows)."""
-    item, out_item = dtype.itemsize, out_dtype.itemsize
-    copy = k * n * item / COPY_BYTES_PER_MS
+    """The two estimates for ``out [m, n] = a [m, k] @ b [k, n]``, ``b`` (``dtype``,
+    row-major) in host memory, in ``slices`` slices of ``column_block`` columns (or of
+    rows)."""
+    copy = k * n * dtype.itemsize / COPY_BYTES_PER_MS
     gemm = 2.0 * m * k * n / GEMM_FLOPS_PER_MS.get(dtype, GEMM_FLOPS_PER_MS[torch.float32])
-    output_traffic = 2.0 * slices * m * n * out_item / HBM_BYTES_PER_MS
-    columns = max(copy / row_efficiency(column_block * item), gemm)
-    rows = max(copy, gemm + output_traffic)
-    return StreamedMatmulCost(columns, rows)
+    output_traffic = 2.0 * slices * m * n * out_dtype.itemsize / HBM_BYTES_PER_MS
+    efficiency = 1.0 if column_block >= n else row_efficiency(column_block * dtype.itemsize)
+    return StreamedMatmulCost(_pipeline(copy / efficiency, gemm, slices),
+                              _pipeline(copy, gemm + output_traffic, slices))
+
+
+def _pipeline(copy: float, gemm: float, slices: int) -> float:
+    """Copies feeding GEMMs slice by slice: the longer stage, plus one slice of the other."""
+    return max(copy, gemm) + min(copy, gemm) / max(slices, 1)
 
 
 def prefer_rows(costs: list[StreamedMatmulCost]) -> bool:

@@ -344,7 +344,7 @@ def evaluate(program: hir.HostProgram, inputs: Sequence[torch.Tensor], *,
         raise TypeError(f"evaluate expects a cg.HostProgram (from cg.lower), "
                         f"got {type(program).__name__}")
     env = check_inputs(program, inputs)
-    program = program.chosen(env)  # split_contraction="auto": the loop for these extents
+    program = program.chosen(env, inputs)  # split_contraction="auto": the loop for these inputs
     if program.source is not None and not distributed.communications(program) and \
             autograd.requires_grad(inputs):
         return autograd.evaluate(program, inputs, lambda: _run(program, inputs, env, group))

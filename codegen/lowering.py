@@ -13,7 +13,7 @@ from typing import Any
 from . import distributed, passes
 from . import hostir as hir
 from .errors import ScheduleError
-from .ir import Const, Fusion
+from .ir import Fusion
 
 # The most worker streams a program may use (``lower``'s pool_size), as many as PyTorch's
 # own pool has per priority. Each thread that calls an op leases worker streams, each with
@@ -131,7 +131,7 @@ def _choose_contraction(fusion: Fusion, choice: hir.ContractionChoice,
     loop as its alternative, for the call to pick."""
     extents = [getattr(mm, f) for mm in choice.matmuls
                for f in ("m", "k", "n", "slices", "column_block")]
-    if all(isinstance(e, Const) for e in extents):
+    if not any(list(e.symbols()) for e in extents):
         program = lower(fusion, split_contraction=choice.rows({}), **options)
         return program.replace(choice=choice)
     columns = lower(fusion, split_contraction=False, **options)

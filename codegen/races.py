@@ -347,12 +347,12 @@ class _Checker(Interpreter):
 
 def find_races(program: hir.HostProgram, inputs: Sequence[torch.Tensor]) -> list[Race]:
     """The races of ``program`` run on inputs shaped as ``inputs`` (CPU tensors, as for
-    ``evaluate``; only their shapes matter; of its alternative where its choice picks
-    that for these shapes). Empty when every access is ordered."""
+    ``evaluate``; only their shapes and layouts matter; of its alternative where its choice
+    picks that for them). Empty when every access is ordered."""
     if not isinstance(program, hir.HostProgram):
         raise TypeError(f"find_races expects a cg.HostProgram, got {type(program).__name__}")
     env = check_inputs(program, inputs)
-    program = program.chosen(env)  # split_contraction="auto": the loop these extents run
+    program = program.chosen(env, inputs)  # split_contraction="auto": the loop these run
     checker = _Checker(program, env)
     for info, x in zip(program.inputs, inputs):
         key = HOST if info.device == "cpu" else CALLER

@@ -4,12 +4,15 @@ H200, the choice made at lowering where every extent is known, the choice left t
 call (both loops printed, both built, each call running the one estimated faster), and
 every path exact against torch."""
 
+import dataclasses
+
 import pytest
 import torch
 from conftest import ints
 
 import codegen as cg
 from codegen import cost, examples, races
+from codegen import hostir as hir
 
 # bench_copy on the H200 (benchmarks/RESULTS.md, "Split contraction, copy stream, dense
 # slices"): bf16 x [m, 8192] @ w [8192, 8192], op / floor of the column loop (copy
@@ -48,6 +51,19 @@ def test_the_model_picks_the_loop_measured_faster(shape, m, slices, columns, row
     estimate = cost.streamed_matmul(m, 8192, 8192, slices, 8192 // slices, torch.bfloat16,
                                     torch.bfloat16)
     assert cost.prefer_rows([estimate]) == (rows < columns)
+
+
+@pytest.mark.parametrize(("shape", "m", "slices", "columns", "rows"), ROWS)
+def test_the_model_tracks_the_measured_ratio_of_the_loops(shape, m, slices, columns, rows):
+    estimate = cost.streamed_matmul(m, 8192, 8192, slices, 8192 // slices, torch.bfloat16,
+                                    torch.bfloat16)
+    off = abs(estimate.columns_ms / estimate.rows_ms - columns / rows)
+    assert off <= (0.2 if slices == 16 else 0.101)
+
+
+def test_one_slice_is_a_dense_copy_either_way():
+    one = cost.streamed_matmul(3072, 8192, 8192, 1, 8192, torch.bfloat16, torch.bfloat16)
+    assert one.columns_ms < one.rows_ms and not cost.prefer_rows([one])
 
 
 def test_row_efficiency_rises_with_row_length_through_the_measured_points():
@@ -97,18 +113,62 @@ def test_no_candidate_means_no_choice():
     assert str(program) == str(cg.lower(examples.offload_linear(torch.float32, 4)))
 
 
+def both_results(program, x, w):
+    """The column loop's and the row loop's results, which round bf16 differently."""
+    columns = cg.evaluate(program.replace(alternative=None), [x, w])[0]
+    rows = cg.evaluate(program.alternative, [x, w])[0]
+    assert not torch.equal(columns, rows)  # else the tests below could not tell them apart
+    return columns, rows
+
+
 @pytest.mark.parametrize("rows", [True, False])
 @pytest.mark.parametrize("options", [{}, {"copy_stream": True}, {"staging": "ring"}],
                          ids=["slots", "copy_stream", "ring"])
-def test_either_choice_is_exact_and_ordered(monkeypatch, rows, options):
+def test_the_evaluator_runs_the_loop_picked(monkeypatch, rows, options):
     monkeypatch.setattr(cost, "prefer_rows", lambda costs: rows)
-    program = cg.lower(weights(slices=3), split_contraction="auto", **options)
-    x, w = ints(7, 20), ints(20, 11)
-    assert program.chosen({"m": 7, "k": 20, "n": 11}) is (program.alternative if rows
+    program = cg.lower(weights(slices=4, dtype=torch.bfloat16), split_contraction="auto",
+                       **options)
+    torch.manual_seed(0)
+    x, w = torch.randn(8, 64).bfloat16(), torch.randn(64, 16).bfloat16()
+    by_columns, by_rows = both_results(program, x, w)
+    assert program.chosen({"m": 8, "k": 64, "n": 16}) is (program.alternative if rows
                                                            else program)
-    races.check(program, [x, w])
-    (y,) = cg.evaluate(program, [x, w])
-    assert torch.equal(y, x @ w)
+    assert torch.equal(cg.evaluate(program, [x, w])[0], by_rows if rows else by_columns)
+    xi, wi = ints(7, 20, dtype=torch.bfloat16), ints(20, 11, dtype=torch.bfloat16)
+    races.check(program, [xi, wi])
+    assert torch.equal(cg.evaluate(program, [xi, wi])[0], xi @ wi)
+
+
+def test_a_host_operand_that_is_not_row_major_keeps_its_columns(monkeypatch):
+    """Its column blocks are the dense copies: the rows are never picked for it."""
+    monkeypatch.setattr(cost, "prefer_rows", lambda costs: True)
+    program = cg.lower(weights(slices=4, dtype=torch.bfloat16), split_contraction="auto")
+    torch.manual_seed(1)
+    x, w = torch.randn(8, 64).bfloat16(), torch.randn(64, 16).bfloat16()
+    w_cols = w.t().contiguous().t()  # the same values, column-major
+    by_columns, by_rows = both_results(program, x, w)
+    env = {"m": 8, "k": 64, "n": 16}
+    assert program.chosen(env, [x, w]) is program.alternative
+    assert program.chosen(env, [x, w_cols]) is program
+    assert torch.equal(cg.evaluate(program, [x, w])[0], by_rows)
+    assert torch.equal(cg.evaluate(program, [x, w_cols])[0], by_columns)
+
+
+@pytest.mark.parametrize("rows", [True, False])
+def test_the_checker_checks_the_loop_picked(monkeypatch, rows):
+    """The row loop without the wait between its slices' sums: caught where it runs."""
+    monkeypatch.setattr(cost, "prefer_rows", lambda costs: rows)
+    program = cg.lower(weights(slices=4), split_contraction="auto", pool_size=2)
+    racy = program.alternative.replace(body=[
+        dataclasses.replace(n, body=[b for b in n.body if not isinstance(b, hir.WaitEvent)])
+        if isinstance(n, hir.ForLoop) else n for n in program.alternative.body])
+    program = program.replace(alternative=racy)
+    inputs = [ints(3, 8), ints(8, 5)]
+    if rows:
+        with pytest.raises(cg.InternalError, match=r"write after write on T2"):
+            races.check(program, inputs)
+    else:
+        races.check(program, inputs)
 
 
 @pytest.mark.parametrize("rows", [True, False])
@@ -123,7 +183,7 @@ def test_gradients_through_either_choice(monkeypatch, rows):
     assert torch.equal(xg.grad, dy @ w.T) and torch.equal(wg.grad, x.T @ dy)
 
 
-def test_compiled_op_builds_both_loops_and_picks_per_call(cache_dir):
+def test_compiled_op_builds_both_loops_and_picks_per_call(cache_dir, monkeypatch):
     op = cg.compile(weights(dtype=torch.bfloat16), split_contraction="auto")
     assert op.alternative is not None and op.alternative.host_ir is op.host_ir.alternative
     assert op.host_ir.split_contraction is False and op.alternative.host_ir.split_contraction
@@ -132,10 +192,24 @@ def test_compiled_op_builds_both_loops_and_picks_per_call(cache_dir):
         return [torch.empty(m, 8192, dtype=torch.bfloat16, device="meta"),
                 torch.empty(8192, 8192, dtype=torch.bfloat16)]
 
+    estimated = []
+
+    def prefer_rows(costs, real=cost.prefer_rows):
+        estimated.append(costs)
+        return real(costs)
+
+    monkeypatch.setattr(cost, "prefer_rows", prefer_rows)
     assert op.pick(shaped(3072)) is op.alternative
     assert op.pick(shaped(37632)) is op
-    assert op.pick(shaped(3072)) is op.alternative  # remembered per extents
+    assert op.pick(shaped(3072)) is op.alternative
+    assert len(estimated) == 2  # remembered per extents and layouts
+    x, w = shaped(3072)
+    assert op.pick([x, w.t().contiguous().t()]) is op  # a column-major w keeps its columns
     assert op.alternative.pick(shaped(37632)) is op.alternative
+    # inputs it cannot read: the op itself, whose checks say what is wrong
+    assert op.pick([x]) is op and op.pick([x.flatten(), w]) is op and op.pick([x, 3]) is op
+    with pytest.raises(ValueError, match=r"argument w must have rank 2"):
+        op(x, w[0])
 
 
 def test_cli_shows_both_loops():

@@ -43,14 +43,35 @@ def test_exact_on_integers(slices, k, options):
 
 def test_auto_runs_the_loop_it_picks_exactly():
     """split_contraction="auto": a short x streams w by rows, a long one by columns (fp32
-    GEMMs are slow enough for the columns' 1 KiB rows to hide under them); both exact."""
+    GEMMs are slow enough for the columns' 1 KiB rows to hide under them), a column-major
+    w by columns; each exact, and the gradients through either loop too."""
     op = cg.compile(examples.stream_weights(torch.float32, 4), split_contraction="auto",
                     copy_stream=True)
     w = ints(1024, 1024, lo=-2, hi=3).pin_memory()
-    for m, rows in ((64, True), (8192, False)):
+    w_cols = w.t().contiguous().pin_memory().t()
+    for m, weight, rows in ((64, w, True), (8192, w, False), (64, w_cols, False)):
         x = ints(m, 1024, device=CUDA, lo=-2, hi=3)
-        assert (op.pick([x, w]) is op.alternative) is rows
-        assert torch.equal(op(x, w).cpu(), x.cpu() @ w)
+        assert (op.pick([x, weight]) is op.alternative) is rows
+        assert torch.equal(op(x, weight).cpu(), x.cpu() @ weight)
+        xg, dy = x.clone().requires_grad_(), ints(m, 1024, device=CUDA, lo=-2, hi=3)
+        weight.requires_grad_(True)
+        op(xg, weight).backward(dy)
+        weight.requires_grad_(False)
+        assert torch.equal(xg.grad, dy @ weight.to(CUDA).t())
+        assert torch.equal(weight.grad, (x.t() @ dy).cpu())
+        weight.grad = None
+
+
+def test_auto_call_runs_the_op_it_picks():
+    """bf16 rounds the two loops differently: each call's result is its picked op's."""
+    op = cg.compile(examples.stream_weights(torch.bfloat16, 4), split_contraction="auto")
+    w = torch.randn(1024, 1024, dtype=torch.bfloat16).pin_memory()
+    x = torch.randn(64, 1024, dtype=torch.bfloat16, device=CUDA)
+    picked = op.pick([x, w])
+    other = op if picked is op.alternative else op.alternative
+    assert picked is op.alternative  # bf16 GEMMs: a 64-row x is copy-bound
+    assert not torch.equal(picked._overload(x, w), other._overload(x, w))
+    assert torch.equal(op(x, w), picked._overload(x, w))
 
 
 @pytest.mark.parametrize("layout", ["transposed", "column block", "every other column"])

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import textwrap
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -597,6 +597,12 @@ class StreamedMatmul:
                 f"in {self.slices} slices")
 
 
+def row_major_matrix(x: torch.Tensor) -> bool:
+    """Whether a block of ``x``'s rows is one dense run of memory per row (a 2-D matrix
+    whose last axis is contiguous)."""
+    return x.dim() != 2 or x.stride(1) == 1 or x.size(1) <= 1
+
+
 @dataclasses.dataclass(frozen=True)
 class ContractionChoice:
     """How a program lowered with ``split_contraction="auto"`` picks between streaming
@@ -605,8 +611,13 @@ class ContractionChoice:
 
     matmuls: tuple[StreamedMatmul, ...]
 
-    def rows(self, env: Mapping[str, int]) -> bool:
-        """Whether blocks of rows are estimated faster for the extents ``env``."""
+    def rows(self, env: Mapping[str, int], row_major: Mapping[str, bool] | None = None) -> bool:
+        """Whether blocks of rows are estimated faster for the extents ``env``; never
+        where a host operand is not row-major (``row_major``, by name; all are where it
+        is None): its column blocks are dense copies already."""
+        if row_major is not None and not all(row_major.get(mm.host, True)
+                                             for mm in self.matmuls):
+            return False
         return cost.prefer_rows([mm.cost(env) for mm in self.matmuls])
 
     def estimate_str(self, env: Mapping[str, int]) -> str:
@@ -655,12 +666,15 @@ class HostProgram:
     def replace(self, **changes: object) -> HostProgram:
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
 
-    def chosen(self, env: Mapping[str, int]) -> HostProgram:
-        """The program that runs for the extents ``env``: this one, or its alternative
-        where its choice picks blocks of rows."""
-        if self.alternative is not None and self.choice is not None and self.choice.rows(env):
-            return self.alternative
-        return self
+    def chosen(self, env: Mapping[str, int],
+               inputs: Sequence[torch.Tensor] | None = None) -> HostProgram:
+        """The program that runs for the extents ``env`` (and the layouts of ``inputs``,
+        where given): this one, or its alternative where its choice picks blocks of rows."""
+        if self.alternative is None or self.choice is None:
+            return self
+        row_major = None if inputs is None else {
+            t.name: row_major_matrix(x) for t, x in zip(self.inputs, inputs) if t.device == "cpu"}
+        return self.alternative if self.choice.rows(env, row_major) else self
 
     def allocations(self) -> dict[str, TensorInfo]:
         return {n.out.name: n.out for n in self.nodes() if isinstance(n, Allocate)}
