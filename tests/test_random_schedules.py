@@ -6,7 +6,7 @@ stream-parallel outer part, and extents (including 0 and 1), then checks the val
 that every access of the host program is ordered. With ``placement``, each input and the
 output also land in host memory or on the GPU at random (drawn from a separate generator,
 so the schedules of the first test stay what they were), with and without a copy
-stream."""
+stream, and with both loops of ``split_contraction="auto"`` where a program has a choice."""
 
 import random
 
@@ -57,19 +57,24 @@ def draw_case(rng: random.Random, placement: random.Random | None = None):
 
 
 def check_case(rng: random.Random, placement: random.Random | None = None,
-               copy_stream: bool = False, staging: str = "slots"):
+               copy_stream: bool = False, staging: str = "slots",
+               split_contraction: bool | str = False):
+    """Lowers a drawn case and checks it (and, where it has one, its alternative loop)."""
     kind, fusion, shapes = draw_case(rng, placement)
     program = cg.lower(fusion, pool_size=rng.choice([1, 2, 4]), copy_stream=copy_stream,
-                       staging=staging)
+                       staging=staging, split_contraction=split_contraction)
     xs = [ints(*s) for s in shapes]
-    races.check(program, xs)
-    (out,) = cg.evaluate(program, xs)
     if kind.startswith("linear"):
         expect = torch.nn.functional.linear(*xs)
     else:
         expect = torch.matmul(*xs)
-    assert out.shape == expect.shape, (kind, shapes, str(program))
-    assert torch.equal(out, expect), (kind, shapes, str(program))
+    for variant in (program.replace(alternative=None), program.alternative):
+        if variant is None:
+            continue
+        races.check(variant, xs)
+        (out,) = cg.evaluate(variant, xs)
+        assert out.shape == expect.shape, (kind, shapes, str(variant))
+        assert torch.equal(out, expect), (kind, shapes, str(variant))
     return program
 
 
@@ -83,6 +88,40 @@ def test_random_schedule_matches_torch_and_is_ordered(seed):
 def test_random_placement_matches_torch_and_is_ordered(seed, staging):
     check_case(random.Random(seed), random.Random(1000 + seed), staging == "copy_stream",
                "ring" if staging == "ring" else "slots")
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_random_placement_with_the_contraction_choice_is_exact_and_ordered(seed):
+    """split_contraction="auto": both loops of every program that has a choice."""
+    check_case(random.Random(seed), random.Random(1000 + seed), seed % 2 == 1, "slots", "auto")
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_random_contraction_choices_are_exact_and_ordered(seed):
+    """x @ w with w in host memory and the output's columns on streams (random splits,
+    pools, copy stream or ring, x on either side, extents from 0): both loops of the
+    choice match torch and are stream-ordered."""
+    rng = random.Random(seed)
+    with cg.Fusion("choice") as fusion:
+        x = cg.input(["m", "k"], device=rng.choice(["cuda", "cpu"]))
+        out = cg.matmul(x, cg.input(["k", "n"], device="cpu"))
+        cg.output(out)
+    for _ in range(rng.choice([1, 1, 2])):
+        if rng.random() < 0.5:
+            out.outer_split(1, rng.randint(1, 6))
+        else:
+            out.split(1, rng.randint(1, 6))
+    out.axis(1).parallelize(cg.ParallelType.Stream)
+    staging, copy_stream = rng.choice([("slots", False), ("slots", True), ("ring", True)])
+    program = cg.lower(fusion, pool_size=rng.choice([1, 2, 4]), copy_stream=copy_stream,
+                       staging=staging, split_contraction="auto")
+    assert program.alternative is not None and program.alternative.split_contraction
+    m, k, n = (rng.choice([0, 1, 2, 3, 5, 8, 13]) for _ in range(3))
+    xs = [ints(m, k), ints(k, n)]
+    for variant in (program.replace(alternative=None), program.alternative):
+        races.check(variant, xs)
+        (y,) = cg.evaluate(variant, xs)
+        assert torch.equal(y, xs[0] @ xs[1]), str(variant)
 
 
 def test_random_placements_exercise_the_ring():
