@@ -764,8 +764,10 @@ def _register_python_parts(program: hir.HostProgram, qualname: str, overload: An
 
     def backward(ctx: Any, *grads: torch.Tensor) -> Any:  # noqa: ARG001
         raise RuntimeError(
-            f"{program.name}: codegen ops have no backward yet; compute the op under "
-            "torch.no_grad(), or with .detach()ed inputs, where gradients are not needed")
+            f"{program.name}: this op has no backward (a program with collectives, or one "
+            "lowered without its source fusion, such as a backward program); compute it "
+            "under torch.no_grad(), or with .detach()ed inputs, where gradients are not "
+            "needed")
 
     torch.library.register_fake(qualname)(fake)
     if differentiable(program):
