@@ -98,6 +98,8 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--size", type=int, default=4096)
     t.add_argument("--copy-stream", action="store_true",
                    help="compile with copy_stream=True (host-to-device copies on one stream)")
+    t.add_argument("--split-contraction", nargs="?", const=True, choices=("auto",),
+                   help="compile with split_contraction=True (or 'auto')")
     args = parser.parse_args(argv)
 
     if args.command == "regen":
@@ -115,7 +117,8 @@ def main(argv: list[str] | None = None) -> int:
     from .timeline import draw_timeline
 
     path, report = draw_timeline(args.example, args.out, size=args.size,
-                                 copy_stream=args.copy_stream)
+                                 copy_stream=args.copy_stream,
+                                 split_contraction=args.split_contraction or False)
     print(f"wrote {path}")
     if report:
         print(report)

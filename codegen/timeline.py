@@ -231,12 +231,12 @@ def plot_kernels(events: list[KernelEvent], out: Path, title: str) -> Path:
     return out
 
 
-def draw_timeline(example: str, out: Path, size: int = 4096,
-                  copy_stream: bool = False) -> tuple[Path, str]:
-    """Compiles a bundled example (with ``copy_stream``, see ``lower``), runs it at
-    ``size`` on the GPU under the profiler and draws its kernels and copies per stream
-    into ``out`` (PNG). Returns the path and, for a program with host copies, the overlap
-    report (else "")."""
+def draw_timeline(example: str, out: Path, size: int = 4096, copy_stream: bool = False,
+                  split_contraction: bool | str = False) -> tuple[Path, str]:
+    """Compiles a bundled example (with ``copy_stream`` and ``split_contraction``, see
+    ``lower``), runs it at ``size`` on the GPU under the profiler and draws its kernels and
+    copies per stream into ``out`` (PNG). Returns the path and, for a program with host
+    copies, the overlap report (else "")."""
     from .builder import compile
     from .examples import example as get_example
 
@@ -244,13 +244,14 @@ def draw_timeline(example: str, out: Path, size: int = 4096,
         raise RuntimeError("timeline: needs a CUDA GPU (the profiler traces GPU kernels)")
     ex = get_example(example)
     fusion = ex.make()
-    op = compile(fusion, copy_stream=copy_stream)
     shapes = _scaled_shapes(fusion, ex.shapes, size)
     dtype = fusion.inputs[0].dtype
     # Host inputs pinned, as they must be for the copies to overlap.
     inputs = [torch.randn(s, device="cuda", dtype=dtype) if d == "cuda"
               else torch.randn(s, dtype=dtype).pin_memory()
               for s, d in zip(shapes, ex.devices("cuda"))]
+    op = compile(fusion, copy_stream=copy_stream, split_contraction=split_contraction)
+    op = op.pick(inputs)  # split_contraction="auto": the loop these inputs run
     events = profile_gpu(lambda: op(*inputs))
     events = [e for e in events if e.kind != "memset"]
     dims = " x ".join(str(list(s)) for s in shapes)

@@ -74,3 +74,20 @@ def test_show_with_the_contraction_split(capsys):
     assert "-> (T2) [split_contraction]:" in text
     assert "T1_i = ShardByStream(T1, axis=0, index=i, chunk=ceilDiv(k, 8))" in text
     assert "    Matmul(T0_i, T1_s, out=T2, accumulate=True)" in text
+
+
+def test_show_and_timeline_take_the_contraction_choice(capsys, monkeypatch):
+    assert main(["show", "stream_weights", "--split-contraction", "auto"]) == 0
+    text = capsys.readouterr().out
+    assert "-> (T2) [split_contraction=auto]:" in text and "[split_contraction]:" in text
+    seen = {}
+
+    def draw(example, out, size, copy_stream, split_contraction):
+        seen.update(example=example, split_contraction=split_contraction)
+        return out, ""
+
+    monkeypatch.setattr("codegen.timeline.draw_timeline", draw)
+    assert main(["timeline", "stream_weights", "--split-contraction", "auto"]) == 0
+    assert seen == {"example": "stream_weights", "split_contraction": "auto"}
+    assert main(["timeline", "stream_weights", "--split-contraction"]) == 0
+    assert seen["split_contraction"] is True
