@@ -1,5 +1,5 @@
 // codegen runtime: everything a generated program includes, in one header that the
-// build precompiles once per cache (codegen/build.py), so a program compiles in about a
+// build precompiles once per cache (codegen/builder.py), so a program compiles in about a
 // second. One header per concern:
 //   check.h      messages and the CG_CHECK macro
 //   tensor.h     strided views, argument checks, allocation
