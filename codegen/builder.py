@@ -829,11 +829,23 @@ class CompiledOp:
         return op
 
     def _choose(self, key: tuple[Any, ...]) -> CompiledOp:
-        assert self.host_ir.choice is not None and self.alternative is not None
+        """The op for (extents, layouts) ``key``. Traced with the output's rows ``m`` a
+        symbolic size, the choice is one comparison, ``m < threshold``, which becomes the
+        guard (not one guard, and one recompilation, per value of m); the other extents
+        are specialized."""
+        choice = self.host_ir.choice
+        assert choice is not None and self.alternative is not None
         n = len(self._extent_axes)
-        env = {name: int(e) for (name, _, _), e in zip(self._extent_axes, key[:n])}
+        extents = {name: e for (name, _, _), e in zip(self._extent_axes, key[:n])}
         row_major = {name: bool(f) for (_, name), f in zip(self._host_inputs, key[n:])}
-        return self.alternative if self.host_ir.choice.rows(env, row_major) else self
+        m = next((mm.m.name for mm in choice.matmuls if isinstance(mm.m, Sym)), None)
+        if m is not None and type(extents.get(m)) is not int:
+            below = choice.rows_below(m, {k: int(e) for k, e in extents.items() if k != m},
+                                      row_major)
+            if below is not None:
+                return self.alternative if extents[m] < below else self
+        env = {name: int(e) for name, e in extents.items()}
+        return self.alternative if choice.rows(env, row_major) else self
 
     @property
     def source(self) -> str:

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 
 import torch
 
@@ -89,6 +90,22 @@ def streamed_matmul(m: int, k: int, n: int, slices: int, column_block: int,
 def _pipeline(copy: float, gemm: float, slices: int) -> float:
     """Copies feeding GEMMs slice by slice: the longer stage, plus one slice of the other."""
     return max(copy, gemm) + min(copy, gemm) / max(slices, 1)
+
+
+def rows_below(prefer_rows_at: Callable[[int], bool], limit: int = 2**48) -> int:
+    """The least m (rows of the output) from which the column loop is chosen, given
+    whether rows are chosen at a given m: the choice is rows below a threshold and columns
+    from it on (the column loop's 2-D copies cost the same at any m, the row loop's output
+    traffic grows with m; ``tests/test_cost.py`` checks this over a grid of shapes).
+    ``limit`` where rows are chosen for every m up to it."""
+    lo, hi = 0, limit  # the answer lies in [lo, hi]
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if prefer_rows_at(mid):
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo
 
 
 def prefer_rows(costs: list[StreamedMatmulCost]) -> bool:

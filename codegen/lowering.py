@@ -126,15 +126,13 @@ def lower(fusion: Fusion, *, pool_size: int = 4, gemm_sm_count: int = 0,
 
 def _choose_contraction(fusion: Fusion, choice: hir.ContractionChoice,
                         options: dict[str, Any]) -> hir.HostProgram:
-    """``fusion`` lowered with ``split_contraction="auto"``: the loop ``choice``
-    estimates faster where its extents are all known, else the column loop with the row
-    loop as its alternative, for the call to pick."""
-    extents = [getattr(mm, f) for mm in choice.matmuls
-               for f in ("m", "k", "n", "slices", "column_block")]
-    if not any(list(e.symbols()) for e in extents):
-        program = lower(fusion, split_contraction=choice.rows({}), **options)
-        return program.replace(choice=choice)
+    """``fusion`` lowered with ``split_contraction="auto"``: the column loop, with the row
+    loop as its alternative for the call to pick (by its extents and the host operands'
+    layouts); where every extent is known and the columns are estimated faster, the
+    column loop alone (a host operand that is not row-major keeps its columns too)."""
     columns = lower(fusion, split_contraction=False, **options)
+    if choice.known() and not choice.rows({}):
+        return columns.replace(choice=choice)
     rows = lower(fusion, split_contraction=True, **options)
     return columns.replace(choice=choice, alternative=rows)
 

@@ -75,18 +75,48 @@ def test_row_efficiency_rises_with_row_length_through_the_measured_points():
     assert cost.row_efficiency(2**20) > 0.999
 
 
-@pytest.mark.parametrize(("m", "rows"), [(3072, True), (37632, False)],
-                         ids=["copy-bound", "GEMM-bound"])
-def test_known_extents_are_chosen_at_lowering(m, rows):
-    program = cg.lower(weights(m, 8192, 8192, 8, torch.bfloat16), split_contraction="auto")
-    assert program.alternative is None and program.split_contraction is rows
-    assert ("accumulate=True" in str(program)) is rows
-    made = "rows" if rows else "columns"
-    assert program.choice_str().startswith(
-        f"split_contraction=auto: T2 = x[{m}, 8192] @ w[8192, 8192] in 8 slices; w streamed "
-        f"by blocks of {made}: columns ")
+def test_known_extents_settle_the_columns_at_lowering():
+    """GEMM-bound: the column loop alone, with its estimate printed."""
+    program = cg.lower(weights(37632, 8192, 8192, 8, torch.bfloat16), split_contraction="auto")
+    assert program.alternative is None and not program.split_contraction
+    assert "accumulate=True" not in str(program)
+    assert program.choice_str() == (
+        "split_contraction=auto: T2 = x[37632, 8192] @ w[8192, 8192] in 8 slices; w streamed "
+        "by blocks of columns: columns 6.73 ms, rows 8.63 ms estimated")
     assert comment(program) == program.choice_str()
     assert "[split_contraction=auto]" in str(program).splitlines()[0]
+
+
+def test_known_extents_that_favour_rows_keep_the_columns_for_other_layouts():
+    """Copy-bound: rows, estimated at lowering; the column loop stays as the program for a
+    host weight that is not row-major (whose column blocks are the dense copies)."""
+    program = cg.lower(weights(3072, 8192, 8192, 8, torch.bfloat16), split_contraction="auto")
+    assert program.alternative is not None and program.alternative.split_contraction
+    assert program.choice_str() == (
+        "split_contraction=auto: T2 = x[3072, 8192] @ w[8192, 8192] in 8 slices; w streamed "
+        "by blocks of rows (its alternative; columns 3.69 ms, rows 2.51 ms estimated), or of "
+        "columns (this program) where w is not row-major")
+    assert comment(program) == program.choice_str()
+    x, w = torch.empty(3072, 8192), torch.empty(8192, 8192, dtype=torch.bfloat16)
+    assert program.chosen({}, [x, w]) is program.alternative
+    assert program.chosen({}, [x, w.t().contiguous().t()]) is program
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("slices", [1, 2, 3, 4, 8, 16])
+def test_rows_are_chosen_below_one_threshold_of_m(dtype, slices):
+    """What a traced call guards on: rows exactly for m below ``rows_below``."""
+    for k, n in ((64, 64), (1024, 4096), (8192, 8192), (4096, 14336)):
+        block = -(-n // slices)
+
+        def rows_at(m, k=k, n=n, block=block):
+            return cost.prefer_rows([cost.streamed_matmul(m, k, n, slices, block, dtype,
+                                                          dtype)])
+
+        below = cost.rows_below(rows_at)
+        for e in range(0, 40):
+            for m in (2**e - 1, 2**e, 3 * 2**e // 2):
+                assert rows_at(m) == (m < below), (k, n, m, below)
 
 
 def test_symbolic_extents_leave_the_choice_to_the_call():
@@ -224,8 +254,8 @@ def test_cli_shows_both_loops():
 
 
 def test_torch_compile_traces_the_loop_each_shape_picks(cache_dir):
-    """Traced, the choice becomes a guard on the extents: each m compiles to a graph that
-    calls the op it picks."""
+    """Traced with m dynamic, the choice is one guard, m < threshold: calls below it share
+    one graph (calling the row loop's op), calls above it another (the column loop's)."""
     op = cg.compile(weights(dtype=torch.bfloat16), split_contraction="auto")
     called: list[set[str]] = []
 
@@ -233,9 +263,13 @@ def test_torch_compile_traces_the_loop_each_shape_picks(cache_dir):
         called.append({str(n.target) for n in gm.graph.nodes if n.op == "call_function"})
         return gm
 
-    f = torch.compile(lambda x, w: op(x, w), fullgraph=True, backend=backend)
+    below = op.host_ir.choice.rows_below("m", {"k": 8192, "n": 8192})
+    assert 3072 < below < 37632
+    f = torch.compile(lambda x, w: op(x, w), fullgraph=True, backend=backend, dynamic=True)
     w = torch.empty(8192, 8192, dtype=torch.bfloat16)
-    for m, picked in ((3072, op.alternative), (37632, op)):
+    for m, picked, graphs in ((3072, op.alternative, 1), (3000, op.alternative, 1),
+                              (below - 1, op.alternative, 1), (below, op, 2),
+                              (37632, op, 2)):
         y = f(torch.empty(m, 8192, dtype=torch.bfloat16, device="meta"), w)
-        assert y.shape == (m, 8192)
+        assert y.shape == (m, 8192) and len(called) == graphs, (m, len(called))
         assert any(picked.op_name in target for target in called[-1]), called[-1]

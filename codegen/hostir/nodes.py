@@ -12,7 +12,7 @@ import torch
 
 from .. import cost, ops
 from ..errors import InternalError
-from ..ir import DEVICES, DTYPE_NAMES, Expr, ParallelType
+from ..ir import DEVICES, DTYPE_NAMES, Expr, ParallelType, Sym
 
 MAIN_STREAM = "main_stream"
 
@@ -587,10 +587,12 @@ class StreamedMatmul:
     dtype: torch.dtype
     out_dtype: torch.dtype
 
+    def extents(self) -> tuple[Expr, ...]:
+        return (self.m, self.k, self.n, self.slices, self.column_block)
+
     def cost(self, env: Mapping[str, int]) -> cost.StreamedMatmulCost:
-        e = {f: getattr(self, f).evaluate(env) for f in ("m", "k", "n", "slices", "column_block")}
-        return cost.streamed_matmul(e["m"], e["k"], e["n"], e["slices"], e["column_block"],
-                                    self.dtype, self.out_dtype)
+        m, k, n, slices, column_block = (e.evaluate(env) for e in self.extents())
+        return cost.streamed_matmul(m, k, n, slices, column_block, self.dtype, self.out_dtype)
 
     def __str__(self) -> str:
         return (f"{self.out} = {self.a}[{self.m}, {self.k}] @ {self.host}[{self.k}, {self.n}] "
@@ -619,6 +621,19 @@ class ContractionChoice:
                                              for mm in self.matmuls):
             return False
         return cost.prefer_rows([mm.cost(env) for mm in self.matmuls])
+
+    def rows_below(self, m: str, env: Mapping[str, int],
+                   row_major: Mapping[str, bool] | None = None) -> int | None:
+        """The least value of the extent ``m`` from which blocks of columns are chosen,
+        the other extents being ``env``: rows exactly below it. None where ``m`` is not
+        every matmul's row count."""
+        if any(mm.m != Sym(m) for mm in self.matmuls):
+            return None
+        return cost.rows_below(lambda v: self.rows({**env, m: v}, row_major))
+
+    def known(self) -> bool:
+        """Whether every extent the choice weighs is a constant."""
+        return not any(list(e.symbols()) for mm in self.matmuls for e in mm.extents())
 
     def estimate_str(self, env: Mapping[str, int]) -> str:
         costs = [mm.cost(env) for mm in self.matmuls]
@@ -718,7 +733,11 @@ class HostProgram:
         """What ``split_contraction="auto"`` chose, or how the call chooses."""
         assert self.choice is not None
         hosts = ", ".join(dict.fromkeys(mm.host for mm in self.choice.matmuls))
-        if self.alternative is not None:
+        if self.alternative is not None and self.choice.known():
+            how = (f"{hosts} streamed by blocks of rows (its alternative; "
+                   f"{self.choice.estimate_str({})}), or of columns (this program) where "
+                   f"{hosts} is not row-major")
+        elif self.alternative is not None:
             how = (f"{hosts} streamed by blocks of columns (this program) or of rows (its "
                    f"alternative), whichever codegen.cost estimates faster for the call's "
                    f"extents")
