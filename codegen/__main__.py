@@ -69,7 +69,8 @@ def show(name: str, stage: str, copy_stream: bool = False, staging: str = "slots
     return "\n".join(map(render, variants))
 
 
-def main(argv: list[str] | None = None) -> int:
+def command_line() -> argparse.ArgumentParser:
+    """The parser of ``python -m codegen``."""
     parser = argparse.ArgumentParser(prog="python -m codegen", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     d = sub.add_parser("demo", help="define, lower, print, render, build; on a GPU run, "
@@ -100,7 +101,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="compile with copy_stream=True (host-to-device copies on one stream)")
     t.add_argument("--split-contraction", nargs="?", const=True, choices=("auto",),
                    help="compile with split_contraction=True (or 'auto')")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = command_line().parse_args(argv)
 
     if args.command == "regen":
         changed = regen(args.out)

@@ -1,0 +1,77 @@
+"""The documentation against the code: every relative link resolves, every concrete
+``python -m codegen`` command parses, every ``python -m benchmarks.NAME`` names a module
+that takes the flags shown, and the printed choice of ``split_contraction="auto"`` is what
+the lowering prints."""
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+import codegen as cg
+from codegen.__main__ import command_line
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")),
+        ROOT / "benchmarks" / "RESULTS.md", ROOT / "benchmarks" / "probes" / "README.md"]
+LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+COMMAND = re.compile(r"`(python -m (codegen|benchmarks\.[\w.]+)[^`]*)`")
+
+
+def commands(prefix):
+    """The commands in code spans of the docs that start with ``prefix`` and hold no
+    placeholder (an upper-case word, brackets, alternatives or an ellipsis)."""
+    found = []
+    for doc in DOCS:
+        for text, _ in COMMAND.findall(doc.read_text()):
+            words = text.split()
+            if text.startswith(prefix) and not any(
+                    any(part.isupper() for part in re.split(r"[.=/,]", w))
+                    or set(w) & set("[]|<>") or "..." in w for w in words):
+                found.append((doc.name, words))
+    return found
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda d: d.name)
+def test_relative_links_resolve(doc):
+    for target in LINK.findall(doc.read_text()):
+        if re.match(r"[a-z]+:", target) or target.startswith("#"):
+            continue
+        path = (doc.parent / target.split("#")[0]).resolve()
+        assert path.exists(), f"{doc.name}: link to {target}"
+
+
+def test_codegen_commands_parse():
+    found = commands("python -m codegen ")
+    assert len(found) >= 3
+    for doc, words in found:
+        try:
+            command_line().parse_args(words[3:])
+        except SystemExit:
+            pytest.fail(f"{doc}: {' '.join(words)} does not parse")
+
+
+def test_benchmark_commands_name_modules_and_their_flags():
+    found = commands("python -m benchmarks.")
+    assert len(found) >= 10
+    for doc, words in found:
+        module = ROOT / (words[2].replace(".", "/") + ".py")
+        assert module.exists(), f"{doc}: {' '.join(words)}"
+        source = module.read_text()
+        for flag in (w.split("=")[0] for w in words[3:] if w.startswith("--")):
+            assert f'"{flag}"' in source, f"{doc}: {' '.join(words)}: no {flag}"
+
+
+def test_the_printed_choice_in_the_docs_is_the_lowerings():
+    text = (ROOT / "docs" / "host-operands.md").read_text()
+    block = text.split("```\nHostProgram sw(", 1)[1].split("```", 1)[0]
+    with cg.Fusion("sw") as f:
+        out = cg.matmul(cg.input([3072, 8192], torch.bfloat16, name="x"),
+                        cg.input([8192, 8192], torch.bfloat16, name="w", device="cpu"))
+        cg.output(out)
+    out.outer_split(1, 4)
+    out.axis(1).parallelize(cg.ParallelType.Stream)
+    printed = str(cg.lower(f, split_contraction="auto")).splitlines()
+    shown = ("HostProgram sw(" + block).rstrip("\n").splitlines()
+    assert printed[:len(shown)] == shown
