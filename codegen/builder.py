@@ -878,15 +878,11 @@ class CompiledOp:
 
 
 def _extent_axes(program: hir.HostProgram) -> tuple[tuple[str, int, int], ...]:
-    """(extent, input position, axis): where a call's inputs give each named extent of
-    ``program``'s signature (the first input axis that names it)."""
-    found: dict[str, tuple[str, int, int]] = {}
-    for i, t in enumerate(program.inputs):
-        for a, e in enumerate(t.shape):
-            for name in e.symbols():
-                if e == Sym(name) and name not in found:
-                    found[name] = (name, i, a)
-    return tuple(found.values())
+    """(extent, input position, axis): the input axis that binds each named extent of
+    ``program``'s signature (the input checks' ``bind``)."""
+    position = {t.name: i for i, t in enumerate(program.inputs)}
+    return tuple((str(c.value), position[c.tensor], c.axis) for c in hir.dim_checks(program)
+                 if c.kind == "bind")
 
 
 _below_autograd = torch._C._AutoDispatchBelowAutograd

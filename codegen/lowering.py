@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Any
 
 from . import distributed, passes
 from . import hostir as hir
@@ -87,6 +86,7 @@ def lower(fusion: Fusion, *, pool_size: int = 4, gemm_sm_count: int = 0,
         raise ScheduleError(f"Fusion {fusion.name} has no outputs; call cg.output(t)")
     dump = _dump_stages()
     work = fusion.clone()
+    choice: hir.ContractionChoice | None = None
     if distributed.is_distributed(work):  # tensor parallel: its own analysis and lowering
         split_contraction = split_contraction is True
         if "ir" in dump:
@@ -98,15 +98,8 @@ def lower(fusion: Fusion, *, pool_size: int = 4, gemm_sm_count: int = 0,
             if "ir" in dump:
                 _dump(f"ir after {fusion_pass.__name__}", str(work))
         segments = passes.segment(work)
-        if split_contraction == "auto":
-            choice = passes.contraction_choice(work, segments)
-            if choice is None:
-                split_contraction = False
-            else:
-                options = dict(pool_size=pool_size, gemm_sm_count=gemm_sm_count,
-                               gemm_library=gemm_library, copy_stream=copy_stream,
-                               staging=staging)
-                return _choose_contraction(fusion, choice, options)
+        if split_contraction == "auto":  # this program streams by columns (see below)
+            choice, split_contraction = passes.contraction_choice(work, segments), False
         if split_contraction:
             segments = passes.split_contractions(work, segments)
         plan = passes.plan_allocations(work, segments)
@@ -121,20 +114,18 @@ def lower(fusion: Fusion, *, pool_size: int = 4, gemm_sm_count: int = 0,
         program = distributed.verify_waits(hir.verify(host_pass(program)))
         if "hostir" in dump:
             _dump(f"hostir after {host_pass.__name__}", str(program))
-    return program
-
-
-def _choose_contraction(fusion: Fusion, choice: hir.ContractionChoice,
-                        options: dict[str, Any]) -> hir.HostProgram:
-    """``fusion`` lowered with ``split_contraction="auto"``: the column loop, with the row
-    loop as its alternative for the call to pick (by its extents and the host operands'
-    layouts); where every extent is known and the columns are estimated faster, the
-    column loop alone (a host operand that is not row-major keeps its columns too)."""
-    columns = lower(fusion, split_contraction=False, **options)
+    if choice is None:
+        return program
+    # split_contraction="auto": the column loop, with the row loop as its alternative for
+    # the call to pick (by its extents and the host operands' layouts); where every extent
+    # is known and the columns are estimated faster, the column loop alone (a host operand
+    # that is not row-major keeps its columns too).
     if choice.known() and not choice.rows({}):
-        return columns.replace(choice=choice)
-    rows = lower(fusion, split_contraction=True, **options)
-    return columns.replace(choice=choice, alternative=rows)
+        return program.replace(choice=choice)
+    rows = lower(fusion, pool_size=pool_size, gemm_sm_count=gemm_sm_count,
+                 gemm_library=gemm_library, copy_stream=copy_stream, staging=staging,
+                 split_contraction=True)
+    return program.replace(choice=choice, alternative=rows)
 
 
 def schedule(fusion: Fusion) -> Fusion:
