@@ -234,6 +234,8 @@ def _run(command: list[str], log_path: Path, what: str) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
         output, _ = proc.communicate()
+        _wait_until_exited(lambda: [p for p, state, _, pgrp in _processes()
+                                    if pgrp == proc.pid and state not in "ZX"])
         log_path.write_text(f"$ {shlex.join(command)}\n{output}\n(stopped after {timeout:g} s)\n")
         raise _timed_out(what, timeout, log_path) from None
     if proc.returncode != 0:
@@ -464,14 +466,31 @@ def _ninja_on_path() -> None:
                      "with it); `pip install ninja` and put its folder on PATH")
 
 
-def _process_children(pid: int) -> list[int]:
-    """The processes whose parent is ``pid`` (from /proc)."""
-    children = []
+def _processes() -> Iterator[tuple[int, str, int, int]]:
+    """Every process as (pid, state, parent pid, process group), from /proc."""
     for stat in Path("/proc").glob("[0-9]*/stat"):
         with contextlib.suppress(OSError, ValueError, IndexError):
-            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid:
-                children.append(int(stat.parent.name))
-    return children
+            state, ppid, pgrp = stat.read_text().rsplit(")", 1)[1].split()[:3]
+            yield int(stat.parent.name), state, int(ppid), int(pgrp)
+
+
+def _process_children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid``."""
+    return [p for p, _, ppid, _ in _processes() if ppid == pid]
+
+
+def _wait_until_exited(pids: Callable[[], list[int]], seconds: float = 10.0) -> None:
+    """Waits until the processes ``pids()`` lists have all exited (gone, or zombies until
+    their parent reaps them): a SIGKILL is only delivered, and a process stopped on a busy
+    machine may take a while to run its exit. Gives up quietly after ``seconds``."""
+    deadline = time.monotonic() + seconds
+    while pids() and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+def _live(pids: list[int]) -> list[int]:
+    """Those of ``pids`` that have not exited."""
+    return [p for p, state, _, _ in _processes() if p in pids and state not in "ZX"]
 
 
 def _kill_tree(pid: int) -> None:
@@ -490,6 +509,7 @@ def _kill_tree(pid: int) -> None:
     for p in tree:
         with contextlib.suppress(ProcessLookupError):
             os.kill(p, signal.SIGKILL)
+    _wait_until_exited(lambda: _live(tree))
 
 
 class _Watchdog:
