@@ -366,6 +366,13 @@ class Function(torch.autograd.Function):
     def backward(ctx: Any, *grads: torch.Tensor) -> Any:
         if ctx.error is not None:
             raise ScheduleError(f"{ctx.runner.program.name}: no backward: {ctx.error}")
+        if torch.is_grad_enabled() and any(
+                t.requires_grad for t in (*ctx.saved_tensors, *grads) if t is not None):
+            # create_graph=True: the gradients would be constants of the graph built on them
+            raise ScheduleError(f"{ctx.runner.program.name}: no double backward: the "
+                                "gradient programs have no backward of their own, and "
+                                "backward(create_graph=True) or torch.autograd.grad(..., "
+                                "create_graph=True) through this op needs one")
         gradient, _, backward = ctx.runner.plan(ctx.wanted)
         grads = tuple(g.contiguous() for g in grads)  # sum().backward() gives expanded ones
         outs = _as_list(backward(*ctx.saved_tensors, *grads)) if backward is not None else []

@@ -32,11 +32,20 @@ slice of its first Linear. A forward captured in a CUDA graph uses per-call stag
 
 Backward: the compiled programs have one (``codegen.autograd``), so an offloaded model
 trains; a host weight gets its gradient in host memory.
+
+Each Parameter stays the same object (its data moves into the arena: an optimizer made
+before offloading still steps the weights the forward reads), each weight has a storage of
+its own over its bytes of the arena (``torch.save`` writes each once, in any dtype), device
+moves leave the weights in the arena and dtype changes are refused, and under
+``torch.autocast`` a Linear computes in the autocast dtype where that is its weight's
+(docs/offload.md, "Working with an offloaded model").
 """
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
+import functools
 import math
 import time
 import weakref
@@ -71,6 +80,26 @@ class Arena:
     @property
     def nbytes(self) -> int:
         return self.storage.numel()
+
+    def tensor(self, offset: int, dtype: torch.dtype, shape: torch.Size) -> torch.Tensor:
+        """A tensor over the arena's bytes from ``offset``, with a storage of its own
+        (exactly its bytes) that keeps the arena alive: saving a weight writes its bytes,
+        not the arena's, and weights of two dtypes share no storage (``torch.save``
+        refuses that). A view of ``storage`` would be both."""
+        count = math.prod(shape)
+        if count == 0:
+            return torch.empty(shape, dtype=dtype)
+        return torch.frombuffer(self._buffer, dtype=dtype, count=count,
+                                offset=offset).view(shape)
+
+    @functools.cached_property
+    def _buffer(self) -> ctypes.Array:
+        """``storage``'s bytes as a Python buffer that holds ``storage`` (a buffer that
+        torch takes keeps it alive, and with it the arena's memory)."""
+        array = type("ArenaBytes", (ctypes.c_uint8 * self.nbytes,), {})
+        block = array.from_address(self.storage.data_ptr())
+        block.owner = self.storage  # type: ignore[attr-defined]
+        return block
 
 
 def _pin(storage: torch.Tensor) -> bool:
@@ -119,9 +148,23 @@ class Report:
         return dataclasses.asdict(self)
 
 
+@dataclasses.dataclass
+class _Forward:
+    """The counters and clocks of one forward of the root module."""
+
+    started: float  # time.perf_counter() at its start
+    timing: tuple[torch.cuda.Event, torch.cuda.Event] | None  # GPU events around it
+    calls: int = 0
+    bytes: int = 0
+    ended: float = math.nan
+
+
 class _State:
-    """Per offloaded model: the arena, the programs, the measured copy bandwidth and the
-    counters of the forward in flight."""
+    """Per offloaded model: the arena, the programs, the measured copy bandwidth, the
+    forward in flight (``current``: between the root's pre-hook and hook; Linears called
+    outside it, such as the recomputed forwards of gradient checkpointing, are not
+    counted), and the last ended forward not yet reported (``pending``): a forward that
+    raises never ends, and leaves the report at the last one that did."""
 
     def __init__(self, arena: Arena, device: torch.device, slices: int, pool_size: int,
                  prefetch: bool, verbose: bool) -> None:
@@ -134,11 +177,8 @@ class _State:
         self.ops: dict[tuple[torch.dtype, bool, str], CompiledOp] = {}
         self.programs: dict[tuple[torch.dtype, bool], Any] = {}
         self.copy_gbps = 0.0
-        self.calls = 0
-        self.bytes = 0
-        self.timing: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
-        self.started = 0.0
-        self.pending = False
+        self.current: _Forward | None = None
+        self.pending: _Forward | None = None
         self.last: Report | None = None
 
     def __deepcopy__(self, memo: dict[int, Any]) -> _State:
@@ -149,6 +189,12 @@ class _State:
                          "hooks are this model's); deep-copy the model before offloading it, "
                          "and offload the copy")
 
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise TypeError("codegen.nn.offload: an offloaded model cannot be pickled (as "
+                        "torch.save(model) does): its Linears run programs of this process "
+                        "over one pinned arena; save model.state_dict() (its weights are "
+                        "plain tensors) and load it into a model offloaded again")
+
     def fusion(self, dtype: torch.dtype, bias: bool) -> ir.Fusion:
         name = f"offload_linear_{ir.DTYPE_NAMES[dtype]}{'_bias' if bias else ''}_s{self.slices}"
         return examples.offload_linear(dtype, self.slices, bias, name=name)
@@ -156,8 +202,9 @@ class _State:
     def run(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
         key = (w.dtype, b is not None)
         args = [x, w] + ([b] if b is not None else [])
-        self.calls += 1
-        self.bytes += sum(t.numel() * t.element_size() for t in args[1:])
+        if self.current is not None:
+            self.current.calls += 1
+            self.current.bytes += sum(t.numel() * t.element_size() for t in args[1:])
         if self.device.type == "cpu":  # the evaluator runs the same host program
             if key not in self.programs:
                 self.programs[key] = lower(self.fusion(*key), pool_size=self.pool_size)
@@ -172,40 +219,38 @@ class _State:
                                                 staging=staging)
         return self.ops[(*key, staging)](*args)
 
-    # -- the report around one forward of the root module
-    def begin(self) -> None:
-        self.calls = self.bytes = 0
-        self.timing = None
+    # -- the report around one forward of the root module (its pre-hook and hook)
+    def begin(self, module: nn.Module, args: Any) -> None:
+        timing = None
         if self.device.type == "cuda" and not torch.cuda.is_current_stream_capturing():
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            self.timing = (start, end)
-        self.started = time.perf_counter()
+            timing = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            timing[0].record()
+        self.current = _Forward(started=time.perf_counter(), timing=timing)
 
-    def end(self) -> None:
-        if self.device.type == "cuda" and self.timing is None:
+    def end(self, module: nn.Module, args: Any, output: Any) -> None:
+        forward, self.current = self.current, None
+        if forward is None or (self.device.type == "cuda" and forward.timing is None):
             return  # captured into a graph: nothing to time
-        if self.timing is not None:
-            self.timing[1].record()
-        self.pending = True
+        if forward.timing is not None:
+            forward.timing[1].record()
+        forward.ended = time.perf_counter()
+        self.pending = forward
         if self.verbose:
-            last = self.finish()
-            if last is not None:
-                print(last.line())
+            print(self.finish().line())  # type: ignore[union-attr]
 
     def finish(self) -> Report | None:
-        if not self.pending:
+        forward, self.pending = self.pending, None
+        if forward is None:
             return self.last
-        self.pending = False
-        if self.timing is not None:
-            self.timing[1].synchronize()
-            ms = self.timing[0].elapsed_time(self.timing[1])
+        if forward.timing is not None:
+            forward.timing[1].synchronize()
+            ms = forward.timing[0].elapsed_time(forward.timing[1])
         else:
-            ms = (time.perf_counter() - self.started) * 1e3
-        floor = self.bytes / (self.copy_gbps * 1e6) if self.copy_gbps else math.nan
+            ms = (forward.ended - forward.started) * 1e3
+        floor = forward.bytes / (self.copy_gbps * 1e6) if self.copy_gbps else math.nan
         self.last = Report(
-            linears=self.calls, bytes_moved=self.bytes, forward_ms=ms,
-            gbps=self.bytes / (ms * 1e6) if ms > 0 else math.nan, copy_floor_ms=floor,
+            linears=forward.calls, bytes_moved=forward.bytes, forward_ms=ms,
+            gbps=forward.bytes / (ms * 1e6) if ms > 0 else math.nan, copy_floor_ms=floor,
             copy_gbps=self.copy_gbps, floor_share=floor / ms if ms > 0 else math.nan,
             beyond_floor_ms=ms - floor)
         return self.last
@@ -213,21 +258,60 @@ class _State:
 
 class OffloadedLinear(nn.Linear):
     """An ``nn.Linear`` whose weight (and bias) live in the model's pinned host arena and
-    whose forward runs the compiled program that streams them (see the module docstring)."""
+    whose forward runs the compiled program that streams them (see the module docstring).
+    Under ``torch.autocast`` it computes in the autocast dtype when that is the weight's
+    (the input is cast, as autocast would); moving the model between devices leaves the
+    weight in the arena, and a change of its dtype is refused."""
 
     _codegen: _State
+    _codegen_name: str
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        where = f"codegen.nn.offload: {self._codegen_name}"
         if x.dim() == 0:
-            raise ValueError("codegen.nn.offload: a Linear's input must have at least one dim")
+            raise ValueError(f"{where}: the input must have at least one dim")
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"{where}: the input's last dim is {x.shape[-1]}, the Linear "
+                             f"takes in_features = {self.in_features} (input shape "
+                             f"{tuple(x.shape)}, weight shape {tuple(self.weight.shape)})")
+        compute = self._codegen.device.type
+        if torch.is_autocast_enabled(compute) and x.is_floating_point():
+            autocast = torch.get_autocast_dtype(compute)
+            if autocast != self.weight.dtype:
+                raise ValueError(
+                    f"{where}: torch.autocast computes this Linear in {autocast}, and its "
+                    f"weight is {self.weight.dtype} in host memory (an offloaded program "
+                    f"runs in its weight's dtype); offload the model in {autocast} "
+                    f"(model.to({autocast}) before offloading it), or run it outside autocast")
+            x = x.to(autocast)
         if x.dtype != self.weight.dtype:
-            raise ValueError(f"codegen.nn.offload: this Linear's weight is "
-                             f"{self.weight.dtype}, its input {x.dtype}; cast the input "
-                             "(as the model would for a GPU-resident weight)")
-        lead = x.shape[:-1]
-        flat = x.reshape(-1, x.shape[-1])
+            raise ValueError(f"{where}: the weight is {self.weight.dtype}, the input "
+                             f"{x.dtype}; cast the input (as the model would for a "
+                             "GPU-resident weight)")
+        flat = x.flatten(0, -2) if x.dim() > 1 else x.unsqueeze(0)
         out = self._codegen.run(flat, self.weight, self.bias)
-        return out.reshape(*lead, out.shape[-1])
+        return out.reshape(*x.shape[:-1], out.shape[-1])
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor],
+               recurse: bool = True) -> OffloadedLinear:
+        # model.to(device), .cuda(), .cpu(): the weight stays in the arena, streamed to
+        # the device the model runs on. A new dtype would take it out of the arena.
+        for key in ("weight", "bias"):
+            t = getattr(self, key)
+            converted = fn(torch.empty(0, dtype=t.dtype)) if t is not None else None
+            if converted is not None and converted.dtype != t.dtype:
+                raise ValueError(
+                    f"codegen.nn.offload: {self._codegen_name}.{key} is {t.dtype} in the "
+                    f"offloaded model's pinned arena; converting it to {converted.dtype} "
+                    "would take it out; convert the model before offloading it")
+        return self
+
+    def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str,
+                              local_metadata: dict[str, Any], *args: Any) -> None:
+        # load_state_dict(assign=True) would put the loaded tensors in place of the arena's;
+        # an offloaded weight takes the values into the arena instead.
+        local_metadata = {**local_metadata, "assign_to_params_buffers": False}
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, *args)
 
 
 def _shared_parameters(model: nn.Module) -> set[int]:
@@ -277,8 +361,18 @@ def offload(model: nn.Module, slices: int = 8, *, filter: Filter | None = None, 
         raise TypeError(f"codegen.nn.offload expects an nn.Module, got {type(model).__name__}")
     if isinstance(slices, bool) or not isinstance(slices, int) or slices < 1:
         raise ScheduleError(f"codegen.nn.offload: slices must be an int >= 1, got {slices!r}")
+    if isinstance(pool_size, bool) or not isinstance(pool_size, int) or pool_size < 1:
+        raise ScheduleError(f"codegen.nn.offload: pool_size must be an int >= 1, "
+                            f"got {pool_size!r}")
+    if not isinstance(prefetch, bool):
+        raise TypeError(f"codegen.nn.offload: prefetch must be True or False, got {prefetch!r}")
     if getattr(model, "_codegen_offload", None) is not None:
         raise ValueError("codegen.nn.offload: this model is offloaded already")
+    for n, m in model.named_modules():
+        if isinstance(m, OffloadedLinear) or getattr(m, "_codegen_offload", None) is not None:
+            raise ValueError(f"codegen.nn.offload: {n} is offloaded already (offload was "
+                             "called on a part of this model); offload a model once, from "
+                             "its root, and narrow it with filter=")
     device = torch.device(device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("codegen.nn.offload: device='cuda' needs a CUDA GPU; pass "
@@ -290,6 +384,16 @@ def offload(model: nn.Module, slices: int = 8, *, filter: Filter | None = None, 
     chosen = [(n, m) for n, m in candidates
               if (filter(n, m) if filter is not None else
                   type(m) is nn.Linear and id(m.weight) not in shared)]
+    if not chosen:
+        conv1d = sorted({type(m).__name__ for m in model.modules()
+                         if type(m).__name__ == "Conv1D"})
+        raise ValueError(
+            f"codegen.nn.offload: no Linear of this {type(model).__name__} to offload: it has "
+            f"{len(candidates)} nn.Linear module(s), "
+            + ("the filter kept none" if filter is not None else
+               "none of class exactly nn.Linear with a weight of its own")
+            + ("; its Conv1D modules (transformers' GPT-2 style) are not nn.Linear"
+               if conv1d else ""))
     for n, m in chosen:
         if type(m) is not nn.Linear:
             raise ValueError(f"codegen.nn.offload: {n} is a {type(m).__name__}, not an "
@@ -298,6 +402,12 @@ def offload(model: nn.Module, slices: int = 8, *, filter: Filter | None = None, 
         if id(m.weight) in shared or (m.bias is not None and id(m.bias) in shared):
             raise ValueError(f"codegen.nn.offload: {n}.weight is shared with another module "
                              "(a tied embedding or Linear); leave it out with filter=")
+        meta = [k for k in ("weight", "bias")
+                if getattr(m, k) is not None and getattr(m, k).is_meta]
+        if meta:
+            raise ValueError(f"codegen.nn.offload: {n}.{meta[0]} is on the meta device (no "
+                             "values yet); load or initialize the model's weights before "
+                             "offloading it")
         if m.weight.dtype not in ir.DTYPE_NAMES:
             raise ValueError(f"codegen.nn.offload: {n}.weight is {m.weight.dtype}; offloaded "
                              f"weights must be one of {', '.join(ir.DTYPE_NAMES.values())}")
@@ -305,25 +415,26 @@ def offload(model: nn.Module, slices: int = 8, *, filter: Filter | None = None, 
                 for _, m in chosen for t in (m.weight, m.bias) if t is not None)
     arena = Arena(torch.empty(total, dtype=torch.uint8), pinned=False)
     arena.pinned = _pin(arena.storage) if device.type == "cuda" else False
-    if not isinstance(prefetch, bool):
-        raise TypeError(f"codegen.nn.offload: prefetch must be True or False, got {prefetch!r}")
     state = _State(arena, device, slices, pool_size, prefetch, verbose)
     offloaded: set[int] = set()
     offset = 0
-    for _, m in chosen:  # each original is dropped as soon as its copy is in the arena
+    for name, m in chosen:  # each original is dropped as soon as its copy is in the arena
         for key in ("weight", "bias"):
             t = getattr(m, key)
             if t is None:
                 continue
             nbytes = t.numel() * t.element_size()
-            view = arena.storage[offset:offset + nbytes].view(t.dtype).view(t.shape)
-            view.copy_(t.detach())
+            held = arena.tensor(offset, t.dtype, t.shape)
+            held.copy_(t.detach())
             offset += -(-nbytes // ALIGN) * ALIGN
-            setattr(m, key, nn.Parameter(view, requires_grad=t.requires_grad))
-            offloaded.add(id(getattr(m, key)))
-            del t
+            # The same Parameter, its data in the arena: an optimizer, hooks or a .grad
+            # made before offloading still refer to the weight the forward reads.
+            t.data = held
+            offloaded.add(id(t))
+            del t, held
         m.__class__ = OffloadedLinear
         m._codegen = state  # type: ignore[attr-defined]
+        m._codegen_name = name or "the model"  # type: ignore[attr-defined]
     for module in model.modules():
         for p in list(module._parameters.values()):
             if p is not None and id(p) not in offloaded:
@@ -333,8 +444,8 @@ def offload(model: nn.Module, slices: int = 8, *, filter: Filter | None = None, 
                 module._buffers[key] = b.to(device)
     state.copy_gbps = _measure_copy_gbps(arena, device)
     model._codegen_offload = state  # type: ignore[attr-defined]
-    model.register_forward_pre_hook(lambda mod, args: state.begin())
-    model.register_forward_hook(lambda mod, args, out: state.end())
+    model.register_forward_pre_hook(state.begin)
+    model.register_forward_hook(state.end)
     return model
 
 

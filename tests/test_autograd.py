@@ -355,6 +355,21 @@ def test_a_broadcast_without_a_backward_is_named():
         out.sum().backward()
 
 
+def test_a_double_backward_is_refused_by_name():
+    """create_graph=True would give gradients that are constants of the graph built on
+    them (the gradient programs have no backward): refused, naming the op. Under
+    create_graph, a gradient that reads nothing that requires grad is still given."""
+    program = cg.lower(examples.matmul_rows(F64, 3))
+    x = torch.randn(6, 4, dtype=F64, requires_grad=True)
+    w = torch.randn(4, 5, dtype=F64, requires_grad=True)
+    (y,) = cg.evaluate(program, [x, w])
+    with pytest.raises(cg.ScheduleError, match="matmul_rows: no double backward"):
+        torch.autograd.grad(y.sum(), x, create_graph=True)
+    (y,) = cg.evaluate(program, [x, w.detach()])
+    (gx,) = torch.autograd.grad(y.sum(), x, create_graph=True)  # dX reads w alone
+    torch.testing.assert_close(gx, torch.ones(6, 5, dtype=F64) @ w.detach().T)
+
+
 def test_no_grad_records_nothing():
     program = cg.lower(examples.matmul_rows())
     x, w = ints(8, 4).requires_grad_(), ints(4, 5)

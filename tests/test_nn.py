@@ -2,6 +2,8 @@
 weights), its Linears offloaded and run through the evaluator, against the original."""
 
 import copy
+import pickle
+import time
 
 import pytest
 import torch
@@ -87,7 +89,7 @@ def test_bad_arguments():
     with pytest.raises(ValueError, match="was not offloaded"):
         codegen.nn.report(tiny_llama())
     lin = codegen.nn.offload(nn.Sequential(nn.Linear(4, 3)), device="cpu")
-    with pytest.raises(ValueError, match="weight is torch.float32, its input torch.float64"):
+    with pytest.raises(ValueError, match="weight is torch.float32, the input torch.float64"):
         lin(torch.zeros(2, 4, dtype=torch.float64))
 
 
@@ -122,3 +124,160 @@ def test_an_offloaded_model_refuses_a_deep_copy_by_name():
     with pytest.raises(ValueError, match=r"codegen.nn.offload: an offloaded model cannot be "
                                          r"deep-copied .* deep-copy the model before"):
         copy.deepcopy(model)
+
+
+# ---------------------------------------------------------------------------- what users do
+
+
+def _mlp(dtype=torch.float32, seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(6, 5), nn.ReLU(), nn.Linear(5, 4, bias=False),
+                         nn.LayerNorm(4)).to(dtype)
+
+
+def test_an_optimizer_made_before_offloading_trains_the_offloaded_weights():
+    """offload keeps each Parameter (its data moves into the arena): an optimizer, a
+    tensor hook and a .grad made before it still act on the weights the forward reads."""
+    ref = _mlp()
+    model = copy.deepcopy(ref)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.25) for m in (ref, model)]
+    params = list(model.parameters())
+    hooked = []
+    model[0].weight.register_hook(lambda g: hooked.append(g.shape))
+    codegen.nn.offload(model, device="cpu")
+    assert [id(p) for p in model.parameters()] == [id(p) for p in params]
+    base = codegen.nn.arena(model).storage.data_ptr()
+    assert base <= model[0].weight.data_ptr() < base + codegen.nn.arena(model).nbytes
+    x, target = torch.randn(3, 6), torch.randn(3, 4)
+    for _ in range(2):
+        for m, opt in zip((ref, model), opts):
+            opt.zero_grad()
+            (m(x) * target).sum().backward()
+            opt.step()
+    assert hooked == [(5, 6), (5, 6)]
+    for (name, want), got in zip(ref.named_parameters(), model.parameters()):
+        assert not torch.equal(want, _mlp().state_dict()[name]), name  # it did train
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_autocast_computes_in_its_dtype_where_that_is_the_weights():
+    ref = _mlp(torch.bfloat16)
+    model = offloaded(ref)
+    x = torch.randn(3, 6)  # fp32, as a norm under autocast gives
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got, want = model(x), ref(x)
+    assert got.dtype == want.dtype == torch.bfloat16
+    torch.testing.assert_close(got, want)
+    fp32 = offloaded(_mlp())
+    with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(
+            ValueError, match=r"codegen.nn.offload: 0: torch.autocast computes this Linear in "
+                              r"torch.bfloat16, and its weight is torch.float32 in host memory"
+                              r".*model.to\(torch.bfloat16\) before offloading"):
+        fp32(x)
+
+
+def test_a_model_with_nothing_to_offload_is_refused():
+    class Conv1D(nn.Module):  # transformers' GPT-2 projection: not an nn.Linear
+        def __init__(self):
+            super().__init__()
+            self.weight = nn.Parameter(torch.zeros(4, 4))
+
+    with pytest.raises(ValueError, match=r"no Linear of this Sequential to offload: it has 0 "
+                                         r"nn.Linear module\(s\).*Conv1D modules"):
+        codegen.nn.offload(nn.Sequential(Conv1D()), device="cpu")
+    with pytest.raises(ValueError, match="it has 2 nn.Linear module.*the filter kept none"):
+        offloaded(_mlp(), filter=lambda name, m: False)
+
+
+def test_state_dicts_save_each_weight_alone_in_mixed_dtypes(tmp_path):
+    """Each offloaded weight has a storage of its own in the arena: a state dict with two
+    dtypes saves (views of one storage as two dtypes would not), and one weight saves
+    its own bytes, not the arena's; the values round-trip."""
+    ref = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64).to(torch.bfloat16))
+    model = offloaded(ref)
+    path = tmp_path / "state.pt"
+    torch.save(model.state_dict(), path)
+    loaded = torch.load(path)
+    for name, want in ref.state_dict().items():
+        assert torch.equal(loaded[name], want), name
+    torch.save(model[1].weight, tmp_path / "w.pt")
+    assert (tmp_path / "w.pt").stat().st_size < 64 * 64 * 2 + 2048
+    assert codegen.nn.arena(model).nbytes > 3 * 64 * 64 * 2
+
+
+def test_device_moves_keep_the_arena_and_dtype_changes_are_refused():
+    model = offloaded(_mlp())
+    held = model[0].weight.data_ptr()
+    assert model.to("cpu") is model and model.cpu() is model and model.float() is model
+    assert model[0].weight.data_ptr() == held
+    with pytest.raises(ValueError, match=r"codegen.nn.offload: 0.weight is torch.float32 in "
+                                         r"the offloaded model's pinned arena; converting it to "
+                                         r"torch.float16 would take it out"):
+        model.half()
+    state = {k: v + 1 for k, v in _mlp().state_dict().items()}
+    model.load_state_dict(state, assign=True)  # into the arena, not in place of it
+    assert model[0].weight.data_ptr() == held
+    assert torch.equal(model[0].weight, state["0.weight"])
+
+
+def test_the_report_is_the_last_root_forward_that_ended():
+    """The forward's time ends with the forward (not at report()); Linears called outside
+    a root forward (checkpointing's recomputation in backward) are not counted; a forward
+    that raises leaves the report at the last one that ended."""
+
+    class Checkpointed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = _mlp()
+
+        def forward(self, x):
+            return torch.utils.checkpoint.checkpoint(self.inner, x, use_reentrant=False)
+
+    model = offloaded(Checkpointed())
+    x = torch.randn(3, 6, requires_grad=True)
+    model(x).sum().backward()
+    time.sleep(0.3)
+    r = codegen.nn.report(model)
+    assert r.linears == 2 and r.bytes_moved == (5 * 6 + 5 + 4 * 5) * 4
+    assert r.forward_ms < 250
+    with pytest.raises(ValueError, match="last dim is 5"):
+        model(torch.randn(3, 5))
+    assert codegen.nn.report(model) == r
+
+
+def test_what_users_get_wrong_is_named():
+    model = offloaded(_mlp())
+    with pytest.raises(ValueError, match=r"codegen.nn.offload: 2: the input's last dim is 4, "
+                                         r"the Linear takes in_features = 5"):
+        model[2](torch.randn(3, 4))
+    with pytest.raises(TypeError, match=r"an offloaded model cannot be pickled .* save "
+                                        r"model.state_dict\(\)"):
+        pickle.dumps(model)
+    for bad in (0, 2.5, None, True):
+        with pytest.raises(codegen.ScheduleError, match="pool_size must be an int >= 1"):
+            offloaded(_mlp(), pool_size=bad)
+    whole = nn.Sequential(_mlp(), nn.Linear(4, 4))
+    codegen.nn.offload(whole[0], device="cpu")
+    with pytest.raises(ValueError, match=r"0 is offloaded already \(offload was called on a "
+                                         r"part of this model\)"):
+        codegen.nn.offload(whole, device="cpu")
+    with torch.device("meta"):
+        lazy = nn.Sequential(nn.Linear(4, 4))
+    with pytest.raises(ValueError, match="0.weight is on the meta device"):
+        codegen.nn.offload(lazy, device="cpu")
+
+
+@pytest.mark.filterwarnings("ignore:Initializing zero-element tensors")
+def test_edge_shapes():
+    """A Linear with no input features (its output is the bias) and inputs of one dim and
+    of no rows."""
+    ref = nn.Linear(0, 3)
+    model = offloaded(ref)
+    for shape in [(2, 0), (0,), (4, 1, 0)]:
+        x = torch.zeros(shape)
+        torch.testing.assert_close(model(x), ref(x), rtol=0, atol=0)
+    ref = nn.Linear(4, 3)
+    model = offloaded(ref)
+    for shape in [(4,), (0, 4), (2, 0, 4)]:
+        x = torch.randn(shape)
+        torch.testing.assert_close(model(x), ref(x))
