@@ -5,7 +5,7 @@ a compiled torch op, and a reference evaluator. See README.md.
 """
 
 from .builder import BuildError, CompiledOp, build, compile
-from .errors import InternalError, ScheduleError
+from .errors import InternalError, NoGPUError, ScheduleError
 from .evaluator import evaluate
 from .hostir import HostProgram
 from .ir import (
@@ -39,6 +39,7 @@ __all__ = [
     "HostProgram",
     "InternalError",
     "IterDomain",
+    "NoGPUError",
     "ParallelType",
     "ScheduleError",
     "TensorView",

@@ -69,14 +69,25 @@ def show(name: str, stage: str, copy_stream: bool = False, staging: str = "slots
     return "\n".join(map(render, variants))
 
 
+def _positive(text: str) -> int:
+    """An argparse type: an int >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an int >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an int >= 1, got {value}")
+    return value
+
+
 def command_line() -> argparse.ArgumentParser:
     """The parser of ``python -m codegen``."""
     parser = argparse.ArgumentParser(prog="python -m codegen", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     d = sub.add_parser("demo", help="define, lower, print, render, build; on a GPU run, "
                                     "check against torch and time it")
-    d.add_argument("--size", type=int, default=8192, help="m = n = k on the GPU")
-    d.add_argument("--slices", type=int, default=4)
+    d.add_argument("--size", type=_positive, default=8192, help="m = n = k on the GPU")
+    d.add_argument("--slices", type=_positive, default=4)
     r = sub.add_parser("regen", help="rewrite csrc_gen/ (only files whose text changed)")
     r.add_argument("--out", type=Path, default=CSRC_GEN)
     s = sub.add_parser("show", help="print one stage of a bundled example")
@@ -96,7 +107,7 @@ def command_line() -> argparse.ArgumentParser:
                                         "for host copies, print how much the GEMMs hid")
     t.add_argument("example", choices=sorted(EXAMPLES))
     t.add_argument("--out", type=Path, default=Path("timeline.png"))
-    t.add_argument("--size", type=int, default=4096)
+    t.add_argument("--size", type=_positive, default=4096)
     t.add_argument("--copy-stream", action="store_true",
                    help="compile with copy_stream=True (host-to-device copies on one stream)")
     t.add_argument("--split-contraction", nargs="?", const=True, choices=("auto",),
@@ -105,8 +116,22 @@ def command_line() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = command_line().parse_args(argv)
+    """Runs a command; a mistake of the user's or the machine's (a schedule, a build, a
+    missing GPU, a file) is one line on stderr and exit status 1, not a traceback."""
+    from .builder import BuildError
+    from .errors import NoGPUError, ScheduleError
 
+    args = command_line().parse_args(argv)
+    try:
+        return _run(args)
+    except (ScheduleError, BuildError, NoGPUError, OSError) as e:
+        said = str(e)
+        where = "" if said.startswith(f"{args.command}:") else f" {args.command}:"
+        print(f"python -m codegen{where} {said}", file=sys.stderr)
+        return 1
+
+
+def _run(args: argparse.Namespace) -> int:
     if args.command == "regen":
         changed = regen(args.out)
         print("\n".join(f"wrote {args.out / c}" for c in changed) or "csrc_gen is up to date")

@@ -57,8 +57,9 @@ import torch
 
 from . import autograd, collectives, distributed
 from . import hostir as hir
+from .errors import NoGPUError
 from .evaluator import check_inputs, program_device
-from .ir import Sym
+from .ir import Fusion, Sym
 from .renderer import (
     NAMESPACE,
     include_dir,
@@ -827,6 +828,8 @@ class CompiledOp:
         self._host_inputs = [(i, t.name) for i, t in enumerate(program.inputs)
                              if t.device == "cpu"] if alternative is not None else []
         self._chosen: dict[tuple[int | bool, ...], CompiledOp] = {}
+        # Host inputs only: no input says which GPU runs the op (the current one does).
+        self._host_only = all(t.device == "cpu" for t in program.inputs)
 
     def pick(self, inputs: Sequence[torch.Tensor]) -> CompiledOp:
         """The op that runs for ``inputs``: this one, or its alternative where the
@@ -887,6 +890,10 @@ class CompiledOp:
         if group is not None:
             raise TypeError(f"{self.host_ir.name}: group= is only for programs with "
                             "collectives; this one has none")
+        if self._host_only and not torch.cuda.is_available():
+            raise NoGPUError(f"{self.host_ir.name}: the compiled op runs on a CUDA GPU, and "
+                               "this machine has none; cg.evaluate(op.host_ir, inputs) runs "
+                               "the same host program on the CPU")
         if not self._differentiable or autograd.requires_grad(inputs) or \
                 torch.compiler.is_compiling():
             return self._overload(*inputs)
@@ -912,6 +919,11 @@ _registered: set[str] = set()  # ops whose Python parts are registered in this p
 def build(program: hir.HostProgram, source: str | None = None) -> CompiledOp:
     """Builds (or loads from cache) the op of ``program``; ``source`` defaults to
     ``render(program)``."""
+    if not isinstance(program, hir.HostProgram):
+        hint = "; for a cg.Fusion, cg.compile(fusion) lowers and builds it" \
+            if isinstance(program, Fusion) else ""
+        raise TypeError(f"build expects a cg.HostProgram (from cg.lower), got "
+                        f"{type(program).__name__}{hint}")
     alternative = None
     if program.alternative is not None:  # as differentiable as the program it stands for
         alternative = build(program.alternative if program.source is not None

@@ -7,6 +7,11 @@ class ScheduleError(ValueError):
     """A mistake in a definition or a schedule: names the tensor and axis, says what to do."""
 
 
+class NoGPUError(RuntimeError):
+    """Something that runs on a CUDA GPU was asked for on a machine without one; says what
+    runs on the CPU instead, where something does."""
+
+
 class InternalError(RuntimeError):
     """A broken internal invariant. Never the user's fault."""
 

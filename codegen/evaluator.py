@@ -50,6 +50,9 @@ def check_inputs(program: hir.HostProgram, inputs: Sequence[object]) -> dict[str
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{name}: argument {info.name} must be a torch.Tensor, "
                             f"got {_describe(x)}")
+        if x.layout != torch.strided:
+            raise ValueError(f"{name}: argument {info.name} must be a dense (strided) tensor, "
+                             f"got layout {x.layout}; call .to_dense() first")
         if x.dtype != info.dtype:
             raise ValueError(f"{name}: argument {info.name} must be "
                              f"{DTYPE_NAMES[info.dtype]}, got {x.dtype}")
@@ -344,6 +347,9 @@ def evaluate(program: hir.HostProgram, inputs: Sequence[torch.Tensor], *,
         raise TypeError(f"evaluate expects a cg.HostProgram (from cg.lower), "
                         f"got {type(program).__name__}")
     env = check_inputs(program, inputs)
+    if group is not None and not distributed.communications(program):
+        raise TypeError(f"{program.name}: group= is only for programs with collectives; "
+                        "this one has none")
     program = program.chosen(env, inputs)  # split_contraction="auto": the loop for these inputs
     if program.source is not None and not distributed.communications(program) and \
             autograd.requires_grad(inputs):

@@ -35,6 +35,7 @@ class Example:
 
 def stream_matmul_n(m: int = 5, k: int = 7, n: int = 6, slices: int = 3) -> Fusion:
     """nvFuser's StreamTest.Matmul: [5, 7] @ [7, 6], output columns in 3 stream slices."""
+    _check_positive("stream_matmul_n", slices=slices)
     with Fusion("stream_matmul_n") as fusion:
         inp = ir.input([m, k], torch.float32)
         w = ir.input([k, n], torch.float32)
@@ -50,6 +51,7 @@ def _split_matmul(name: str, dtype: torch.dtype, axis: int, slices: int,
                   out_device: str = "cuda") -> Fusion:
     """x [m, k] @ w [k, n] (named extents), output axis ``axis`` (0 rows, 1 columns) in
     ``slices`` stream slices; each tensor on ``device`` "cuda" or "cpu" (host memory)."""
+    _check_positive(name, slices=slices)
     with Fusion(name) as fusion:
         x = ir.input(["m", "k"], dtype, device=x_device)
         w = ir.input(["k", "n"], dtype, device=w_device)

@@ -27,6 +27,12 @@ from .ops import DTYPE_NAMES, AxisGroup, OpDef
 # ---------------------------------------------------------------------------- extents
 
 
+# The longest Fusion name: it names the build's files (with a digest and suffixes).
+MAX_NAME = 120
+# The most slices an outer split makes (each costs microseconds of host time).
+MAX_SLICES = 65536
+
+
 class Expr:
     """An integer expression over named extents. Immutable, hashable, printable."""
 
@@ -291,6 +297,9 @@ class TensorView:
             raise ScheduleError(
                 f"{self.name}.{what}(axis={axis}): factor must be >= 1, got {factor}"
             )
+        if not inner_split and factor > MAX_SLICES:  # each slice costs host time
+            raise ScheduleError(f"{self.name}.outer_split(axis={axis}): factor (the number of "
+                                f"slices) must be at most {MAX_SLICES}, got {factor}")
         parent = self.loop[pos]
         if parent.is_stream:
             raise ScheduleError(
@@ -318,6 +327,9 @@ class TensorView:
         """``{old: new}`` moves the named axes (others keep their relative order), or a
         full permutation: the old positions in their new order."""
         n = len(self.loop)
+        if not isinstance(order, (Mapping, Sequence)) or isinstance(order, str):
+            raise ScheduleError(f"{self.name}.reorder: expected {{old: new}} positions or a "
+                                f"permutation of 0..{n - 1}, got {order!r}")
         if isinstance(order, Mapping):
             moves = {self._loop_axis(o, "reorder"): self._loop_axis(d, "reorder")
                      for o, d in order.items()}
@@ -424,6 +436,9 @@ class Fusion:
             raise ScheduleError(
                 f"Fusion name must be a C identifier (letters, digits, _), got {name!r}"
             )
+        if len(name) > MAX_NAME:  # it names the build's files, with a digest and suffixes
+            raise ScheduleError(f"Fusion name must be at most {MAX_NAME} characters, got "
+                                f"{len(name)} ({name[:24]}...)")
         self.name = name
         self.inputs: list[TensorView] = []
         self.outputs: list[TensorView] = []
@@ -598,9 +613,18 @@ def input(  # noqa: A001 - the public API
     return t
 
 
-def _unify(op: str, group: list[tuple[str, TensorView, int]]) -> Expr:
-    """The extent of one dimension shared by several operands; fixed sizes must agree."""
+def _unify(op: str, group: list[tuple[str, TensorView, int]], pointwise: bool = False) -> Expr:
+    """The extent of one dimension shared by several operands; fixed sizes must agree. In
+    a pointwise op, a size 1 against another size is torch's size-1 broadcasting, which
+    codegen does not do (only a vector along the leading axes): refused by name."""
     extents = [(n, t, a, t.shape[a]) for n, t, a in group]
+    ones = [x[3] == Const(1) for x in extents]
+    if pointwise and any(ones) and not all(ones):
+        (n, t, a, _), (n2, t2, a2, e2) = extents[ones.index(True)], extents[ones.index(False)]
+        raise ScheduleError(
+            f"{op}: {n}={t.name} axis {a} has size 1 where {n2}={t2.name} axis {a2} has "
+            f"size {e2}: size-1 broadcasting is not supported (b may only broadcast along "
+            f"a's leading axes, a bias [n] against [m, n]); give {t.name} the full size")
     consts = {e.value for *_, e in extents if isinstance(e, Const)}
     if len(consts) > 1:
         found = ", ".join(f"{n}={t.name} axis {a} is {e}" for n, t, a, e in extents)
@@ -625,7 +649,8 @@ def _define(defn: OpDef, attrs: dict[str, object] | None = None,
     op = Op(defn, args, attrs)
     out_ids: dict[int, IterDomain] = {}
     for group in op.axes():
-        extent = _unify(defn.name, [(n, args[n], a) for n, a in group.inputs()])
+        extent = _unify(defn.name, [(n, args[n], a) for n, a in group.inputs()],
+                        defn.family == "pointwise")
         kind = IterType.Reduction if group.reduction else IterType.Iteration
         out_ids[group.output_axis()] = IterDomain(extent, kind)
     op.out = TensorView(fusion._fresh_name(), dtype, [out_ids[k] for k in sorted(out_ids)],

@@ -130,6 +130,8 @@ def lower(fusion: Fusion, *, pool_size: int = 4, gemm_sm_count: int = 0,
 
 def schedule(fusion: Fusion) -> Fusion:
     """The fusion after the fusion passes (propagated and validated), for printing."""
+    if not isinstance(fusion, Fusion):
+        raise ScheduleError(f"schedule expects a cg.Fusion, got {type(fusion).__name__}")
     work = fusion.clone()
     if distributed.is_distributed(work):
         distributed.analyze(work)  # validates; sets every tensor's mesh

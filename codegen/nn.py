@@ -57,9 +57,9 @@ from torch import nn
 
 from . import examples, ir
 from .builder import CompiledOp, compile
-from .errors import ScheduleError
+from .errors import NoGPUError, ScheduleError
 from .evaluator import evaluate
-from .lowering import lower
+from .lowering import MAX_POOL_SIZE, lower
 
 # Where each tensor of the arena starts: a multiple of this many bytes (cudaMemcpy moves
 # aligned blocks fastest; the GEMMs read aligned slots either way).
@@ -361,8 +361,10 @@ def offload(model: nn.Module, slices: int = 8, *, filter: Filter | None = None, 
         raise TypeError(f"codegen.nn.offload expects an nn.Module, got {type(model).__name__}")
     if isinstance(slices, bool) or not isinstance(slices, int) or slices < 1:
         raise ScheduleError(f"codegen.nn.offload: slices must be an int >= 1, got {slices!r}")
-    if isinstance(pool_size, bool) or not isinstance(pool_size, int) or pool_size < 1:
-        raise ScheduleError(f"codegen.nn.offload: pool_size must be an int >= 1, "
+    if isinstance(pool_size, bool) or not isinstance(pool_size, int) or \
+            not 1 <= pool_size <= MAX_POOL_SIZE:
+        raise ScheduleError(f"codegen.nn.offload: pool_size must be an int from 1 to "
+                            f"{MAX_POOL_SIZE} (worker streams and staging slots), "
                             f"got {pool_size!r}")
     if not isinstance(prefetch, bool):
         raise TypeError(f"codegen.nn.offload: prefetch must be True or False, got {prefetch!r}")
@@ -373,9 +375,16 @@ def offload(model: nn.Module, slices: int = 8, *, filter: Filter | None = None, 
             raise ValueError(f"codegen.nn.offload: {n} is offloaded already (offload was "
                              "called on a part of this model); offload a model once, from "
                              "its root, and narrow it with filter=")
-    device = torch.device(device)
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, TypeError):
+        parsed = None
+    if parsed is None or parsed.type not in ("cuda", "cpu"):
+        raise ValueError(f"codegen.nn.offload: device must be 'cuda' (or 'cuda:<index>') or "
+                         f"'cpu' (the evaluator), got {device!r}")
+    device = parsed
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("codegen.nn.offload: device='cuda' needs a CUDA GPU; pass "
+        raise NoGPUError("codegen.nn.offload: device='cuda' needs a CUDA GPU; pass "
                            "device='cpu' to run the offloaded Linears through the evaluator")
     # Exactly nn.Linear: a subclass may have a forward of its own, and a Linear inside
     # nn.MultiheadAttention (a subclass) is never called: attention reads its weight.

@@ -149,7 +149,7 @@ def _unbroadcast(op: str, g: Any, like: Any, b: Any) -> Any:
     """The gradient of an operand broadcast along leading axes: ``g`` summed over them."""
     if g.ndim == like.ndim:
         return g
-    if like.ndim == 1:
+    if like.ndim == 1 and g.ndim <= 3:
         return b.sum_rows(g)
     return NoGradient(f"{op}: no backward for {like.name}, broadcast from rank {like.ndim} "
                       f"to rank {g.ndim} (only [n] against [m, n] or [b, m, n] has one)")

@@ -563,7 +563,10 @@ def prepare(program: hir.HostProgram) -> dict[str, Any]:
         "host": host,
         "host_outputs": host_outputs,
         "ring": any(isinstance(n, hir.RingSlot) for n in program.nodes()),
-        "program": program.name,  # the C++ function and the prefix of its messages
+        "program": program.name,  # the prefix of its messages
+        # The C++ function: the name alone could be a keyword (float), a macro (stdin) or
+        # an overloaded C function (abs, whose address TORCH_BOX could not take).
+        "function": f"{program.name}_program",
         "namespace": NAMESPACE,
         "op_name": op_name(program),
         "signature": program.signature().removesuffix(":"),

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from .errors import NoGPUError
 from .ir import Const
 
 
@@ -241,7 +242,7 @@ def draw_timeline(example: str, out: Path, size: int = 4096, copy_stream: bool =
     from .examples import example as get_example
 
     if not torch.cuda.is_available():
-        raise RuntimeError("timeline: needs a CUDA GPU (the profiler traces GPU kernels)")
+        raise NoGPUError("timeline: needs a CUDA GPU (the profiler traces GPU kernels)")
     ex = get_example(example)
     fusion = ex.make()
     shapes = _scaled_shapes(fusion, ex.shapes, size)

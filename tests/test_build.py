@@ -80,6 +80,35 @@ def test_cpu_tensors_get_a_clear_error(ops):
         ops["matmul_rows"](torch.ones(4, 3), torch.ones(3, 2))
 
 
+def test_fusion_names_that_are_cpp_words_build(cache_dir):
+    """The C++ function is <name>_program: a keyword, a macro or an overloaded C
+    function as a Fusion's name builds."""
+    for name in ("float", "stdin", "abs"):
+        with cg.Fusion(name) as fusion:
+            cg.output(cg.relu(cg.input(["m"], name="x")))
+        op = cg.compile(fusion)
+        assert f"torch::stable::Tensor {name}_program(torch::stable::Tensor x_arg)" in op.source
+        assert f'const char* const op = "{name}";' in op.source
+
+
+def test_a_program_of_host_inputs_needs_a_gpu_to_run(cache_dir):
+    with cg.Fusion("host_only") as fusion:
+        out = cg.matmul(cg.input(["m", "k"], device="cpu"), cg.input(["k", "n"], device="cpu"))
+        cg.output(out, device="cpu")
+    op = cg.compile(fusion)
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    with pytest.raises(cg.NoGPUError, match="host_only: the compiled op runs on a CUDA GPU, "
+                                            "and this machine has none; cg.evaluate"):
+        op(torch.ones(2, 3), torch.ones(3, 4))
+
+
+def test_build_takes_a_host_program():
+    with pytest.raises(TypeError, match=r"build expects a cg.HostProgram \(from cg.lower\), "
+                                        r"got Fusion; for a cg.Fusion, cg.compile\(fusion\)"):
+        cg.build(EXAMPLES["matmul_rows"].make())
+
+
 def test_missing_argument_is_refused_by_the_schema(ops):
     with pytest.raises((RuntimeError, TypeError), match="T1"):
         ops["matmul_rows"](torch.ones(4, 3, device="meta"))

@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from codegen.__main__ import main, regen
 from codegen.timeline import KernelEvent, plot_kernels
@@ -91,3 +92,23 @@ def test_show_and_timeline_take_the_contraction_choice(capsys, monkeypatch):
     assert seen == {"example": "stream_weights", "split_contraction": "auto"}
     assert main(["timeline", "stream_weights", "--split-contraction"]) == 0
     assert seen["split_contraction"] is True
+
+
+def test_mistakes_are_one_line_not_a_traceback(capsys, tmp_path):
+    """A bad size or slice count is argparse's error; a file that cannot be written and a
+    missing GPU are one line on stderr and exit status 1."""
+    for argv, flag in ((["demo", "--slices", "0"], "--slices"), (["demo", "--size", "-5"],
+                                                                 "--size")):
+        with pytest.raises(SystemExit) as exit_:
+            main(argv)
+        assert exit_.value.code == 2
+        assert f"argument {flag}: expected an int >= 1" in capsys.readouterr().err
+    blocked = tmp_path / "file"
+    blocked.write_text("")
+    assert main(["regen", "--out", str(blocked / "sub")]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("python -m codegen regen: ") and "Traceback" not in err
+    if not torch.cuda.is_available():
+        assert main(["timeline", "matmul_rows", "--out", str(tmp_path / "t.png")]) == 1
+        assert capsys.readouterr().err == (
+            "python -m codegen timeline: needs a CUDA GPU (the profiler traces GPU kernels)\n")

@@ -140,6 +140,9 @@ def test_definition_errors():
         cg.input([2, 3])
     with pytest.raises(cg.ScheduleError, match="C identifier"):
         cg.Fusion("my op")
+    with pytest.raises(cg.ScheduleError, match=r"Fusion name must be at most 120 characters, "
+                                               r"got 121 \(aaaa"):
+        cg.Fusion("a" * 121)
     with pytest.raises(cg.ScheduleError, match="T0 is a fusion input"):
         with cg.Fusion("f"):
             cg.output(cg.input([2]))
@@ -150,6 +153,20 @@ def test_definition_errors():
         with cg.Fusion("f") as fusion:
             cg.input([2])
         cg.lower(fusion)
+
+
+@pytest.mark.parametrize("a, b", [(["m", "n"], ["m", 1]), (["m", "n"], [1, "n"]),
+                                  (["m", 1], ["m", "n"])])
+def test_size_one_broadcasting_is_refused_where_it_is_written(a, b):
+    """torch broadcasts a size-1 axis; codegen broadcasts b along a's leading axes only.
+    Refused at the op, naming the operand and axis (not, later, at the call)."""
+    with cg.Fusion("f"), pytest.raises(cg.ScheduleError, match=(
+            r"mul: (a|b)=(x|scale) axis [01] has size 1 where (a|b)=(x|scale) axis [01] has "
+            r"size [mn]: size-1 broadcasting is not supported")):
+        cg.mul(cg.input(a, name="x"), cg.input(b, name="scale"))
+    with cg.Fusion("f"):  # a bias along the leading axes, and fixed sizes of 1 on both
+        cg.add(cg.input(["m", "n"]), cg.input(["n"]))
+        cg.add(cg.input([4, 1]), cg.input([4, 1]))
 
 
 def test_tensor_of_another_fusion():
@@ -252,3 +269,36 @@ def test_evaluator_names_an_unknown_node_kind_as_a_bug():
     with pytest.raises(cg.InternalError, match="bug.*the evaluator has no rule for Mystery "
                                                r"nodes \(Mystery\(\)\)"):
         cg.evaluate(program, [])
+
+
+def test_more_mistakes_are_named():
+    with cg.Fusion("f") as fusion:
+        out = cg.matmul(cg.input(["m", "k"]), cg.input(["k", "n"]))
+        cg.output(out)
+    with pytest.raises(cg.ScheduleError, match=r"T2.reorder: expected \{old: new\} positions "
+                                               r"or a permutation of 0..2, got 1"):
+        out.reorder(1)
+    with pytest.raises(cg.ScheduleError, match="outer_split.*number of slices.*at most 65536, "
+                                               "got 1000000000000"):
+        out.outer_split(0, 10**12)
+    program = cg.lower(fusion)
+    with pytest.raises(cg.ScheduleError, match="schedule expects a cg.Fusion, got HostProgram"):
+        cg.schedule(program)
+    with pytest.raises(TypeError, match="f: group= is only for programs with collectives"):
+        cg.evaluate(program, [ints(2, 3), ints(3, 4)], group="pg")
+    with pytest.raises(ValueError, match=r"f: argument T0 must be a dense \(strided\) tensor, "
+                                         r"got layout torch.sparse_coo"):
+        cg.evaluate(program, [ints(2, 3).to_sparse(), ints(3, 4)])
+    with pytest.raises(cg.ScheduleError, match="matmul_rows: slices must be an int >= 1, got 0"):
+        cg.examples.matmul_rows(slices=0)
+
+
+def test_a_bias_broadcast_beyond_rank_3_names_its_operand_in_backward():
+    with cg.Fusion("f") as fusion:
+        cg.output(cg.add(cg.input([2, 3, 4, 5], name="a"), cg.input([5], name="bias")))
+    a, bias = (torch.randn(s, requires_grad=True) for s in ((2, 3, 4, 5), (5,)))
+    (out,) = cg.evaluate(cg.lower(fusion), [a, bias])
+    torch.testing.assert_close(out, a + bias)  # the forward runs
+    with pytest.raises(cg.ScheduleError, match=r"f: no backward: add: no backward for bias, "
+                                               r"broadcast from rank 1 to rank 4"):
+        out.sum().backward()
