@@ -1,7 +1,7 @@
 """The documentation against the code: every relative link resolves, every concrete
 ``python -m codegen`` command parses, every ``python -m benchmarks.NAME`` names a module
-that takes the flags shown, and the printed choice of ``split_contraction="auto"`` is what
-the lowering prints."""
+that takes the flags shown, and the printed choice of ``split_contraction="auto"``, the
+staging ring's host IR and the runtime's C++ excerpt are what the code prints."""
 
 import re
 from pathlib import Path
@@ -75,3 +75,42 @@ def test_the_printed_choice_in_the_docs_is_the_lowerings():
     printed = str(cg.lower(f, split_contraction="auto")).splitlines()
     shown = ("HostProgram sw(" + block).rstrip("\n").splitlines()
     assert printed[:len(shown)] == shown
+
+
+def _excerpt_mismatch(shown, printed):
+    """The first line of the excerpt ``shown`` (comments dropped) that is not the next line
+    of ``printed``: consecutive lines must be consecutive there, except after a line
+    ``...``, which skips ahead (so does the first line). None where the excerpt matches."""
+    printed = [line.rstrip() for line in printed]
+    at, skip = 0, True
+    for line in shown:
+        line = re.split(r"\s+(#|// an NVTX)", line)[0].rstrip()
+        if line.strip() == "...":
+            skip = True
+            continue
+        if not line.strip():
+            continue
+        if skip:
+            found = [k for k in range(at, len(printed)) if printed[k] == line]
+            if not found:
+                return line
+            at = found[0]
+        elif at >= len(printed) or printed[at] != line:
+            return line
+        at, skip = at + 1, False
+    return None
+
+
+def test_the_ring_excerpt_is_the_lowerings():
+    text = (ROOT / "docs" / "host-operands.md").read_text()
+    block = text.split("never forked from the caller's stream:\n\n```\n", 1)[1].split("```")[0]
+    program = cg.lower(cg.examples.offload_linear(torch.bfloat16, 8), staging="ring")
+    printed = [line[2:] for line in str(program).splitlines()]  # the body, one level in
+    assert _excerpt_mismatch(block.splitlines(), printed) is None
+
+
+def test_the_runtime_excerpt_is_the_generated_cpp():
+    text = (ROOT / "docs" / "runtime.md").read_text()
+    block = text.split("```cpp\n", 1)[1].split("```")[0]
+    cpp = (ROOT / "csrc_gen" / "two_matmuls.cpp").read_text().splitlines()
+    assert _excerpt_mismatch(block.splitlines(), cpp) is None
