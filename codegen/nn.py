@@ -43,11 +43,10 @@ moves leave the weights in the arena and dtype changes are refused, and under
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
-import functools
 import math
 import time
+import types
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -83,23 +82,17 @@ class Arena:
 
     def tensor(self, offset: int, dtype: torch.dtype, shape: torch.Size) -> torch.Tensor:
         """A tensor over the arena's bytes from ``offset``, with a storage of its own
-        (exactly its bytes) that keeps the arena alive: saving a weight writes its bytes,
-        not the arena's, and weights of two dtypes share no storage (``torch.save``
-        refuses that). A view of ``storage`` would be both."""
+        (exactly its bytes) that keeps the arena's memory alive: saving a weight writes its
+        bytes, not the arena's, and weights of two dtypes share no storage (``torch.save``
+        refuses that), where views of ``storage`` would do both. Made by DLPack from a
+        view, so the storage's deleter is torch's C++ one, releasing the view (never Python
+        code, which a holder freed at thread exit could not run)."""
         count = math.prod(shape)
         if count == 0:
             return torch.empty(shape, dtype=dtype)
-        return torch.frombuffer(self._buffer, dtype=dtype, count=count,
-                                offset=offset).view(shape)
-
-    @functools.cached_property
-    def _buffer(self) -> ctypes.Array:
-        """``storage``'s bytes as a Python buffer that holds ``storage`` (a buffer that
-        torch takes keeps it alive, and with it the arena's memory)."""
-        array = type("ArenaBytes", (ctypes.c_uint8 * self.nbytes,), {})
-        block = array.from_address(self.storage.data_ptr())
-        block.owner = self.storage  # type: ignore[attr-defined]
-        return block
+        nbytes = count * dtype.itemsize
+        view = self.storage[offset:offset + nbytes].view(dtype).view(shape)
+        return torch.from_dlpack(view)
 
 
 def _pin(storage: torch.Tensor) -> bool:
@@ -296,6 +289,12 @@ class OffloadedLinear(nn.Linear):
                recurse: bool = True) -> OffloadedLinear:
         # model.to(device), .cuda(), .cpu(): the weight stays in the arena, streamed to
         # the device the model runs on. A new dtype would take it out of the arena.
+        self._check_conversion(fn)
+        return self
+
+    def _check_conversion(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Refuses ``fn`` (a Module._apply conversion) where it changes a dtype, tried on
+        an empty tensor of each of this Linear's dtypes."""
         for key in ("weight", "bias"):
             t = getattr(self, key)
             converted = fn(torch.empty(0, dtype=t.dtype)) if t is not None else None
@@ -304,7 +303,7 @@ class OffloadedLinear(nn.Linear):
                     f"codegen.nn.offload: {self._codegen_name}.{key} is {t.dtype} in the "
                     f"offloaded model's pinned arena; converting it to {converted.dtype} "
                     "would take it out; convert the model before offloading it")
-        return self
+
 
     def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str,
                               local_metadata: dict[str, Any], *args: Any) -> None:
@@ -313,6 +312,16 @@ class OffloadedLinear(nn.Linear):
         local_metadata = {**local_metadata, "assign_to_params_buffers": False}
         super()._load_from_state_dict(state_dict, prefix, local_metadata, *args)
 
+
+def _checked_apply(module: nn.Module, fn: Callable[[torch.Tensor], torch.Tensor],
+                   recurse: bool = True) -> nn.Module:
+    """``_apply`` of a module holding offloaded Linears: a dtype change they refuse is
+    refused before any module is converted (not half-way through the model)."""
+    if recurse:
+        for m in module.modules():
+            if isinstance(m, OffloadedLinear):
+                m._check_conversion(fn)
+    return type(module)._apply(module, fn, recurse)
 
 def _shared_parameters(model: nn.Module) -> set[int]:
     """Parameters that two or more modules hold (a tied embedding, two tied Linears)."""
@@ -451,6 +460,10 @@ def offload(model: nn.Module, slices: int = 8, *, filter: Filter | None = None, 
         for key, b in list(module._buffers.items()):
             if b is not None:
                 module._buffers[key] = b.to(device)
+    for module in model.modules():  # every module above an offloaded Linear
+        if not isinstance(module, OffloadedLinear) and any(
+                isinstance(m, OffloadedLinear) for m in module.modules()):
+            module._apply = types.MethodType(_checked_apply, module)  # type: ignore[method-assign]
     state.copy_gbps = _measure_copy_gbps(arena, device)
     model._codegen_offload = state  # type: ignore[attr-defined]
     model.register_forward_pre_hook(state.begin)

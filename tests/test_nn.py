@@ -206,14 +206,27 @@ def test_state_dicts_save_each_weight_alone_in_mixed_dtypes(tmp_path):
 
 
 def test_device_moves_keep_the_arena_and_dtype_changes_are_refused():
+    """A conversion that keeps the dtype (a device move) leaves the offloaded weights in
+    the arena and converts the rest; one that changes it is refused before any module is
+    converted."""
     model = offloaded(_mlp())
     held = model[0].weight.data_ptr()
+    norm = model[3].weight.data_ptr()
     assert model.to("cpu") is model and model.cpu() is model and model.float() is model
-    assert model[0].weight.data_ptr() == held
+    model._apply(lambda t: t.clone())  # what a device move does to every other tensor
+    assert model[0].weight.data_ptr() == held and model[3].weight.data_ptr() != norm
     with pytest.raises(ValueError, match=r"codegen.nn.offload: 0.weight is torch.float32 in "
                                          r"the offloaded model's pinned arena; converting it to "
                                          r"torch.float16 would take it out"):
         model.half()
+    with pytest.raises(ValueError, match="converting it to torch.float64"):
+        model[:2].double()  # a part of the model refuses it too
+    assert {p.dtype for p in model.parameters()} == {torch.float32}  # nothing converted
+    first = nn.Sequential(nn.LayerNorm(6), nn.Linear(6, 3))
+    codegen.nn.offload(first, device="cpu")
+    with pytest.raises(ValueError, match="1.weight is torch.float32"):
+        first.half()
+    assert first[0].weight.dtype == torch.float32  # the LayerNorm before it, unconverted
     state = {k: v + 1 for k, v in _mlp().state_dict().items()}
     model.load_state_dict(state, assign=True)  # into the arena, not in place of it
     assert model[0].weight.data_ptr() == held

@@ -50,6 +50,7 @@ def test_memory_report_and_pinned_arena(cache_dir):
     assert on_gpu <= kept + 2**20, (on_gpu, kept)  # the measurement buffer is freed
     arena = codegen.nn.arena(model)
     assert arena.pinned and arena.storage.is_pinned()
+    assert all(m.weight.is_pinned() for m in linears)  # each a storage of its own in it
     assert arena.nbytes <= 1.02 * offloaded_bytes + codegen.nn.ALIGN * len(linears)
     with torch.no_grad():
         model(torch.randint(0, 101, (1, 16), device="cuda"))
