@@ -235,8 +235,7 @@ def _run(command: list[str], log_path: Path, what: str) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
         output, _ = proc.communicate()
-        _wait_until_exited(lambda: [p for p, state, _, pgrp in _processes()
-                                    if pgrp == proc.pid and state not in "ZX"])
+        _wait_until_exited(lambda pid, pgrp: pgrp == proc.pid)
         log_path.write_text(f"$ {shlex.join(command)}\n{output}\n(stopped after {timeout:g} s)\n")
         raise _timed_out(what, timeout, log_path) from None
     if proc.returncode != 0:
@@ -480,18 +479,15 @@ def _process_children(pid: int) -> list[int]:
     return [p for p, _, ppid, _ in _processes() if ppid == pid]
 
 
-def _wait_until_exited(pids: Callable[[], list[int]], seconds: float = 10.0) -> None:
-    """Waits until the processes ``pids()`` lists have all exited (gone, or zombies until
-    their parent reaps them): a SIGKILL is only delivered, and a process stopped on a busy
-    machine may take a while to run its exit. Gives up quietly after ``seconds``."""
+def _wait_until_exited(which: Callable[[int, int], bool], seconds: float = 10.0) -> None:
+    """Waits until every process for which ``which(pid, process group)`` holds has exited
+    (gone, or a zombie until its parent reaps it): a SIGKILL is only delivered, and a
+    process stopped on a busy machine may take a while to run its exit. Gives up quietly
+    after ``seconds``."""
     deadline = time.monotonic() + seconds
-    while pids() and time.monotonic() < deadline:
+    while any(which(p, pgrp) and state not in "ZX" for p, state, _, pgrp in _processes()) \
+            and time.monotonic() < deadline:
         time.sleep(0.01)
-
-
-def _live(pids: list[int]) -> list[int]:
-    """Those of ``pids`` that have not exited."""
-    return [p for p, state, _, _ in _processes() if p in pids and state not in "ZX"]
 
 
 def _kill_tree(pid: int) -> None:
@@ -510,7 +506,7 @@ def _kill_tree(pid: int) -> None:
     for p in tree:
         with contextlib.suppress(ProcessLookupError):
             os.kill(p, signal.SIGKILL)
-    _wait_until_exited(lambda: _live(tree))
+    _wait_until_exited(lambda pid, pgrp: pid in tree)
 
 
 class _Watchdog:

@@ -33,6 +33,15 @@ def _dump(title: str, text: str) -> None:
     print(f"=== {title} ===\n{text}", file=sys.stderr)
 
 
+def check_pool_size(where: str, pool_size: object) -> None:
+    """Refuses a ``pool_size`` that is not an int from 1 to ``MAX_POOL_SIZE``."""
+    if isinstance(pool_size, bool) or not isinstance(pool_size, int) or pool_size < 1:
+        raise ScheduleError(f"{where}: pool_size must be an int >= 1, got {pool_size!r}")
+    if pool_size > MAX_POOL_SIZE:
+        raise ScheduleError(f"{where}: pool_size must be at most {MAX_POOL_SIZE} (worker "
+                            f"streams per thread, kept for the process), got {pool_size}")
+
+
 def lower(fusion: Fusion, *, pool_size: int = 4, gemm_sm_count: int = 0,
           gemm_library: str = "cublaslt", copy_stream: bool = False,
           staging: str = "slots", split_contraction: bool | str = False) -> hir.HostProgram:
@@ -59,11 +68,7 @@ def lower(fusion: Fusion, *, pool_size: int = 4, gemm_sm_count: int = 0,
     ``alternative`` (rows), both printed."""
     if not isinstance(fusion, Fusion):
         raise ScheduleError(f"lower expects a cg.Fusion, got {type(fusion).__name__}")
-    if isinstance(pool_size, bool) or not isinstance(pool_size, int) or pool_size < 1:
-        raise ScheduleError(f"lower: pool_size must be an int >= 1, got {pool_size!r}")
-    if pool_size > MAX_POOL_SIZE:
-        raise ScheduleError(f"lower: pool_size must be at most {MAX_POOL_SIZE} (worker streams "
-                            f"per thread, kept for the process), got {pool_size}")
+    check_pool_size("lower", pool_size)
     if isinstance(gemm_sm_count, bool) or not isinstance(gemm_sm_count, int) or gemm_sm_count < 0:
         raise ScheduleError(f"lower: gemm_sm_count must be an int >= 0 (0 = all SMs), got "
                             f"{gemm_sm_count!r}")

@@ -58,7 +58,7 @@ from . import examples, ir
 from .builder import CompiledOp, compile
 from .errors import NoGPUError, ScheduleError
 from .evaluator import evaluate
-from .lowering import MAX_POOL_SIZE, lower
+from .lowering import check_pool_size, lower
 
 # Where each tensor of the arena starts: a multiple of this many bytes (cudaMemcpy moves
 # aligned blocks fastest; the GEMMs read aligned slots either way).
@@ -260,11 +260,10 @@ class OffloadedLinear(nn.Linear):
     _codegen_name: str
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        where = f"codegen.nn.offload: {self._codegen_name}"
         if x.dim() == 0:
-            raise ValueError(f"{where}: the input must have at least one dim")
+            raise ValueError(f"{self._where()}: the input must have at least one dim")
         if x.shape[-1] != self.in_features:
-            raise ValueError(f"{where}: the input's last dim is {x.shape[-1]}, the Linear "
+            raise ValueError(f"{self._where()}: the input's last dim is {x.shape[-1]}, the Linear "
                              f"takes in_features = {self.in_features} (input shape "
                              f"{tuple(x.shape)}, weight shape {tuple(self.weight.shape)})")
         compute = self._codegen.device.type
@@ -272,18 +271,21 @@ class OffloadedLinear(nn.Linear):
             autocast = torch.get_autocast_dtype(compute)
             if autocast != self.weight.dtype:
                 raise ValueError(
-                    f"{where}: torch.autocast computes this Linear in {autocast}, and its "
+                    f"{self._where()}: torch.autocast computes this Linear in {autocast}, and its "
                     f"weight is {self.weight.dtype} in host memory (an offloaded program "
                     f"runs in its weight's dtype); offload the model in {autocast} "
                     f"(model.to({autocast}) before offloading it), or run it outside autocast")
             x = x.to(autocast)
         if x.dtype != self.weight.dtype:
-            raise ValueError(f"{where}: the weight is {self.weight.dtype}, the input "
+            raise ValueError(f"{self._where()}: the weight is {self.weight.dtype}, the input "
                              f"{x.dtype}; cast the input (as the model would for a "
                              "GPU-resident weight)")
         flat = x.flatten(0, -2) if x.dim() > 1 else x.unsqueeze(0)
         out = self._codegen.run(flat, self.weight, self.bias)
         return out.reshape(*x.shape[:-1], out.shape[-1])
+
+    def _where(self) -> str:
+        return f"codegen.nn.offload: {self._codegen_name}"
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor],
                recurse: bool = True) -> OffloadedLinear:
@@ -300,10 +302,9 @@ class OffloadedLinear(nn.Linear):
             converted = fn(torch.empty(0, dtype=t.dtype)) if t is not None else None
             if converted is not None and converted.dtype != t.dtype:
                 raise ValueError(
-                    f"codegen.nn.offload: {self._codegen_name}.{key} is {t.dtype} in the "
-                    f"offloaded model's pinned arena; converting it to {converted.dtype} "
-                    "would take it out; convert the model before offloading it")
-
+                    f"{self._where()}.{key} is {t.dtype} in the offloaded model's pinned "
+                    f"arena; converting it to {converted.dtype} would take it out; convert "
+                    "the model before offloading it")
 
     def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str,
                               local_metadata: dict[str, Any], *args: Any) -> None:
@@ -370,11 +371,7 @@ def offload(model: nn.Module, slices: int = 8, *, filter: Filter | None = None, 
         raise TypeError(f"codegen.nn.offload expects an nn.Module, got {type(model).__name__}")
     if isinstance(slices, bool) or not isinstance(slices, int) or slices < 1:
         raise ScheduleError(f"codegen.nn.offload: slices must be an int >= 1, got {slices!r}")
-    if isinstance(pool_size, bool) or not isinstance(pool_size, int) or \
-            not 1 <= pool_size <= MAX_POOL_SIZE:
-        raise ScheduleError(f"codegen.nn.offload: pool_size must be an int from 1 to "
-                            f"{MAX_POOL_SIZE} (worker streams and staging slots), "
-                            f"got {pool_size!r}")
+    check_pool_size("codegen.nn.offload", pool_size)
     if not isinstance(prefetch, bool):
         raise TypeError(f"codegen.nn.offload: prefetch must be True or False, got {prefetch!r}")
     if getattr(model, "_codegen_offload", None) is not None:
@@ -403,8 +400,7 @@ def offload(model: nn.Module, slices: int = 8, *, filter: Filter | None = None, 
               if (filter(n, m) if filter is not None else
                   type(m) is nn.Linear and id(m.weight) not in shared)]
     if not chosen:
-        conv1d = sorted({type(m).__name__ for m in model.modules()
-                         if type(m).__name__ == "Conv1D"})
+        conv1d = any(type(m).__name__ == "Conv1D" for m in model.modules())
         raise ValueError(
             f"codegen.nn.offload: no Linear of this {type(model).__name__} to offload: it has "
             f"{len(candidates)} nn.Linear module(s), "
@@ -460,9 +456,10 @@ def offload(model: nn.Module, slices: int = 8, *, filter: Filter | None = None, 
         for key, b in list(module._buffers.items()):
             if b is not None:
                 module._buffers[key] = b.to(device)
-    for module in model.modules():  # every module above an offloaded Linear
-        if not isinstance(module, OffloadedLinear) and any(
-                isinstance(m, OffloadedLinear) for m in module.modules()):
+    above = {".".join(name.split(".")[:k]) for name, _ in chosen if name
+             for k in range(name.count(".") + 1)}  # "" is the root
+    for name, module in model.named_modules():
+        if name in above:
             module._apply = types.MethodType(_checked_apply, module)  # type: ignore[method-assign]
     state.copy_gbps = _measure_copy_gbps(arena, device)
     model._codegen_offload = state  # type: ignore[attr-defined]

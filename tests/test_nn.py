@@ -266,9 +266,13 @@ def test_what_users_get_wrong_is_named():
     with pytest.raises(TypeError, match=r"an offloaded model cannot be pickled .* save "
                                         r"model.state_dict\(\)"):
         pickle.dumps(model)
-    for bad in (0, 33, 2.5, None, True):
-        with pytest.raises(codegen.ScheduleError, match="pool_size must be an int from 1 to 32"):
+    for bad in (0, 2.5, None, True):
+        with pytest.raises(codegen.ScheduleError, match="codegen.nn.offload: pool_size must be "
+                                                        "an int >= 1, got"):
             offloaded(_mlp(), pool_size=bad)
+    with pytest.raises(codegen.ScheduleError, match="codegen.nn.offload: pool_size must be at "
+                                                    "most 32 .*, got 33"):
+        offloaded(_mlp(), pool_size=33)
     for bad in ("gpu", "meta", 3.5):
         with pytest.raises(ValueError, match="device must be 'cuda' .* or 'cpu'"):
             codegen.nn.offload(_mlp(), device=bad)
