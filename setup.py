@@ -9,7 +9,8 @@ setup(
     version="0.1.0",
     description="Compile stream-parallel matmul schedules into C++ torch ops calling cuBLAS",
     python_requires=">=3.10",
-    packages=["codegen", "codegen.hostir", "codegen.distributed", "codegen.templates"],
+    packages=["codegen", "codegen.hostir", "codegen.distributed", "codegen.nn",
+              "codegen.templates"],
     # templates/ lives at the top of the repo and ships inside the package.
     package_dir={"codegen": "codegen", "codegen.templates": "templates"},
     # The C++ runtime headers ship with the package: every generated program includes them.

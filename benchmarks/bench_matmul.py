@@ -60,7 +60,6 @@ from benchmarks.common import (
     Block,
     PythonStreamLinear,
     PythonStreamLoop,
-    capture_graph,
     estimate_ms,
     host_sample,
     parse_ints,
@@ -73,6 +72,7 @@ from benchmarks.common import (
     warm_up,
 )
 from codegen import examples
+from codegen.nn import capture_graph
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32/tf32": torch.float32}
 KINDS = ("matmul", "linear+bias")

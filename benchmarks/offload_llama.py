@@ -32,7 +32,7 @@ step also has the row
 
 - codegen_graph: codegen's model (the same arena) decoding the same token at the same
   position from a CUDA graph, replayed per call (``GraphDecodeStep``). A graph needs a
-  ``StaticCache`` (``benchmarks.common.StaticDecodeStep``: keys and values preallocated
+  ``StaticCache`` (``codegen.nn.StaticDecodeStep``: keys and values preallocated
   for prompt + 1 positions and written in place, so the attention reads as many
   positions as the eager step's) and captures offload()'s per-call staging (the staging
   ring's copies run ahead across calls, which a graph cannot capture). Next to codegen
@@ -90,11 +90,8 @@ import codegen.nn
 from benchmarks.common import (
     RESULTS,
     Block,
-    StaticDecodeStep,
     bind,
     build,
-    cache_keyword,
-    capture_graph,
     estimate_ms,
     is_decoder_linear,
     llama_config,
@@ -104,6 +101,7 @@ from benchmarks.common import (
     run_rounds,
     warm_up,
 )
+from codegen.nn import StaticDecodeStep, cache_keyword, capture_graph
 
 VARIANTS = ("codegen", "codegen_noprefetch", "accelerate", "prefetch", "gpu", "copy")
 DECODE_VARIANTS = ("codegen", "prefetch", "gpu", "copy")

@@ -183,7 +183,7 @@ def test_peak_memory_at_most_eager(cache_dir):
 
 
 def test_mlp_graph_capture_replays(cache_dir):
-    from benchmarks.common import capture_graph
+    from codegen.nn import capture_graph
 
     xs = _randn([(64, 128), (256, 128), (256, 128), (128, 256)], torch.bfloat16)
     op = cg.compile(examples.llama_mlp(torch.bfloat16, 4, name="llama_mlp_graph"))

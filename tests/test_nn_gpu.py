@@ -61,7 +61,7 @@ def test_memory_report_and_pinned_arena(cache_dir):
 
 
 def test_a_one_token_forward_is_captured_and_replayed(cache_dir):
-    from benchmarks.common import capture_graph
+    from codegen.nn import capture_graph
 
     model = codegen.nn.offload(tiny_llama(torch.bfloat16), slices=2)
     ids = torch.randint(0, 101, (1, 1), device="cuda")
@@ -80,7 +80,7 @@ def test_a_static_cache_decode_step_is_captured_and_replayed(cache_dir):
     the eager step of the same model over a fresh cache, bit for bit (fp32 without TF32:
     the same GEMMs on the same values, whether the weights are staged per call, as in a
     graph, or in the staging ring, as eagerly), and close to the GPU-resident model's."""
-    from benchmarks.common import StaticDecodeStep, capture_graph
+    from codegen.nn import StaticDecodeStep, capture_graph
 
     torch.backends.cuda.matmul.allow_tf32 = False
     ref = tiny_llama(torch.float32)

@@ -1,4 +1,4 @@
-"""The decode step over a static KV cache (``benchmarks.common.StaticDecodeStep``) that the
+"""The decode step over a static KV cache (``codegen.nn.StaticDecodeStep``) that the
 GPU tests and ``offload_llama`` capture in a CUDA graph, run eagerly on the CPU: a tiny
 transformers Llama, its Linears offloaded and run through the evaluator, against the
 original and against a forward of the whole sequence without a cache."""
@@ -11,7 +11,7 @@ from helpers import tiny_llama
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import codegen.nn
-from benchmarks.common import StaticDecodeStep, static_cache
+from codegen.nn import StaticDecodeStep, static_cache
 
 transformers = pytest.importorskip("transformers")  # a test extra: CI installs it
 

@@ -98,7 +98,7 @@ def test_bf16_close_to_torch():
 
 
 def test_captured_and_replayed():
-    from benchmarks.common import capture_graph
+    from codegen.nn import capture_graph
 
     op = split_k_op(4)
     x = ints(64, 96, device=CUDA)

@@ -20,8 +20,9 @@ import sys
 import torch
 
 import codegen as cg
-from benchmarks.common import Block, capture_graph, ratio_fields, run_rounds, warm_up
+from benchmarks.common import Block, ratio_fields, run_rounds, warm_up
 from codegen import examples
+from codegen.nn import capture_graph
 from codegen.timeline import profile_gpu
 
 

@@ -54,11 +54,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import examples, ir
-from .builder import CompiledOp, compile
-from .errors import NoGPUError, ScheduleError
-from .evaluator import evaluate
-from .lowering import check_pool_size, lower
+from .. import examples, ir
+from ..builder import CompiledOp, compile
+from ..errors import NoGPUError, ScheduleError
+from ..evaluator import evaluate
+from ..lowering import check_pool_size, lower
 
 # Where each tensor of the arena starts: a multiple of this many bytes (cudaMemcpy moves
 # aligned blocks fastest; the GEMMs read aligned slots either way).
