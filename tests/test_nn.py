@@ -72,8 +72,12 @@ def test_filter_narrows_and_the_report_counts_what_ran():
     down = model.model.layers[0].mlp.down_proj
     assert r.linears == 2 and r.bytes_moved == 2 * down.weight.numel() * 4
     assert set(r.as_dict()) == {"linears", "bytes_moved", "forward_ms", "gbps", "copy_floor_ms",
-                                "copy_gbps", "floor_share", "beyond_floor_ms"}
-    assert "2 Linear calls read 0.000 GB" in r.line()
+                                "copy_gbps", "floor_share", "beyond_floor_ms", "copies",
+                                "mean_copy_bytes", "exposed_copy_ms", "staging_bytes",
+                                "unplanned_calls"}
+    assert r.copies == len(r.plan.spans) and r.unplanned_calls == 0
+    assert (f"2 Linear calls read {r.bytes_moved / 1024:.1f} KiB of host weights in "
+            f"{r.copies} copies") in r.line()
 
 
 def test_bad_arguments():

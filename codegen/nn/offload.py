@@ -59,10 +59,8 @@ from ..builder import CompiledOp, compile
 from ..errors import NoGPUError, ScheduleError
 from ..evaluator import evaluate
 from ..lowering import check_pool_size, lower
-
-# Where each tensor of the arena starts: a multiple of this many bytes (cudaMemcpy moves
-# aligned blocks fastest; the GEMMs read aligned slots either way).
-ALIGN = 256
+from .plan import ALIGN, Layout, StreamPlan, format_bytes, parse_bytes, plan_stream, round_up
+from .streamer import ForwardCopies, Streamer, layouts_of
 
 Filter = Callable[[str, nn.Linear], bool]
 
@@ -112,10 +110,17 @@ def _pin(storage: torch.Tensor) -> bool:
 @dataclasses.dataclass
 class Report:
     """What one forward of an offloaded model moved, and how close to the copy floor it ran.
-    ``copy_floor_ms``: the offloaded bytes at the bandwidth of one pinned copy measured at
+    ``bytes_moved``: the offloaded bytes its Linear calls read; ``copies``: the copies that
+    brought them (spans of the arena, or whole weights where a call ran unplanned);
+    ``copy_floor_ms``: ``bytes_moved`` at the bandwidth of one pinned copy measured at
     ``offload`` time; ``floor_share``: that over the forward's time (1.0 = the forward took
     no longer than copying its weights alone); ``beyond_floor_ms``: the time the forward
-    took beyond the copy floor (copies exposed, compute the copies did not hide)."""
+    took beyond the copy floor; ``exposed_copy_ms``: how long the GPU's compute waited for
+    copies (timed around each wait; 0 on the CPU and in a captured forward);
+    ``staging_bytes``: the GPU memory the copies go through; ``unplanned_calls``: calls
+    that ran off the copy plan (each weight copied whole: the first forward of a new call
+    order, a call that needs gradients, a second thread's forward). ``plan``: the copy
+    plan (``print(report.plan)`` shows it as host IR), None without prefetch."""
 
     linears: int
     bytes_moved: int
@@ -125,20 +130,30 @@ class Report:
     copy_gbps: float
     floor_share: float
     beyond_floor_ms: float
+    copies: int = 0
+    mean_copy_bytes: float = 0.0
+    exposed_copy_ms: float = 0.0
+    staging_bytes: int = 0
+    unplanned_calls: int = 0
+    plan: StreamPlan | None = dataclasses.field(default=None, repr=False, compare=False)
 
     def line(self) -> str:
-        if math.isnan(self.copy_floor_ms):  # the evaluator on the CPU: nothing is copied
+        copies = (f" in {self.copies} copies (mean {format_bytes(self.mean_copy_bytes)})"
+                  if self.copies else "")
+        if math.isnan(self.copy_floor_ms):  # on the CPU: no copy floor
             return (f"codegen.nn.offload: {self.linears} Linear calls read "
-                    f"{self.bytes_moved / 1e9:.3f} GB of host weights in "
+                    f"{format_bytes(self.bytes_moved)} of host weights{copies} in "
                     f"{self.forward_ms:.2f} ms (on the CPU: no copy floor)")
         return (f"codegen.nn.offload: {self.linears} Linear calls moved "
-                f"{self.bytes_moved / 1e9:.3f} GB in {self.forward_ms:.2f} ms "
+                f"{format_bytes(self.bytes_moved)}{copies} in {self.forward_ms:.2f} ms "
                 f"({self.gbps:.1f} GB/s); copy floor {self.copy_floor_ms:.2f} ms at "
                 f"{self.copy_gbps:.1f} GB/s: {100 * self.floor_share:.0f}% of it, "
-                f"{self.beyond_floor_ms:.2f} ms beyond")
+                f"{self.beyond_floor_ms:.2f} ms beyond, {self.exposed_copy_ms:.2f} ms "
+                f"waiting for copies; staging {format_bytes(self.staging_bytes)}")
 
     def as_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if f.name != "plan"}
 
 
 @dataclasses.dataclass
@@ -150,6 +165,8 @@ class _Forward:
     calls: int = 0
     bytes: int = 0
     ended: float = math.nan
+    copies: ForwardCopies | None = None  # what the streamer counted, with prefetch
+    program_copies: int = 0  # slices the compiled programs copied (calls with gradients)
 
 
 class _State:
@@ -173,6 +190,8 @@ class _State:
         self.current: _Forward | None = None
         self.pending: _Forward | None = None
         self.last: Report | None = None
+        self.streamer: Streamer | None = None  # with prefetch: the copy plan's runner
+        self.index_of: dict[int, int] = {}  # id(weight) -> its Linear's index in the plan
 
     def __deepcopy__(self, memo: dict[int, Any]) -> _State:
         # A copy would share the hooks (they call this state) and hold its weights in a
@@ -198,12 +217,20 @@ class _State:
         if self.current is not None:
             self.current.calls += 1
             self.current.bytes += sum(t.numel() * t.element_size() for t in args[1:])
+        needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in args)
+        if self.streamer is not None and not needs_grad:
+            # The copy plan: spans of the arena copied ahead, GEMM pieces reading them.
+            out = self.streamer.call(self.index_of[id(w)], x)
+            return out if out is not None else self.streamer.unplanned(x, w, b)
+        if self.current is not None:  # the program copies the weight's slices, the bias whole
+            self.current.program_copies += min(self.slices, w.shape[0]) + (b is not None)
         if self.device.type == "cpu":  # the evaluator runs the same host program
             if key not in self.programs:
                 self.programs[key] = lower(self.fusion(*key), pool_size=self.pool_size)
             return evaluate(self.programs[key], args)[0]
-        # The ring's copies run ahead of the caller's stream, across calls: eagerly only.
-        # A graph captures the program with per-call staging slots instead.
+        # Gradients: the compiled program, which has a backward. Its staging ring's copies
+        # run ahead of the caller's stream, across calls: eagerly only; a graph captures
+        # the program with per-call staging slots instead.
         with torch.cuda.device(x.device):  # the stream of the device the op runs on
             capturing = torch.cuda.is_current_stream_capturing()
         staging = "ring" if self.prefetch and not capturing else "slots"
@@ -218,15 +245,19 @@ class _State:
         if self.device.type == "cuda" and not torch.cuda.is_current_stream_capturing():
             timing = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
             timing[0].record()
+        if self.streamer is not None:
+            self.streamer.begin()
         self.current = _Forward(started=time.perf_counter(), timing=timing)
 
     def end(self, module: nn.Module, args: Any, output: Any) -> None:
+        copies = self.streamer.end() if self.streamer is not None else None
         forward, self.current = self.current, None
         if forward is None or (self.device.type == "cuda" and forward.timing is None):
             return  # captured into a graph: nothing to time
         if forward.timing is not None:
             forward.timing[1].record()
         forward.ended = time.perf_counter()
+        forward.copies = copies
         self.pending = forward
         if self.verbose:
             print(self.finish().line())  # type: ignore[union-attr]
@@ -241,11 +272,18 @@ class _State:
         else:
             ms = (forward.ended - forward.started) * 1e3
         floor = forward.bytes / (self.copy_gbps * 1e6) if self.copy_gbps else math.nan
+        copies = forward.copies
+        plan = self.streamer.plan if self.streamer is not None else None
+        count = forward.program_copies + (copies.copies if copies is not None else 0)
         self.last = Report(
             linears=forward.calls, bytes_moved=forward.bytes, forward_ms=ms,
             gbps=forward.bytes / (ms * 1e6) if ms > 0 else math.nan, copy_floor_ms=floor,
             copy_gbps=self.copy_gbps, floor_share=floor / ms if ms > 0 else math.nan,
-            beyond_floor_ms=ms - floor)
+            beyond_floor_ms=ms - floor, copies=count,
+            mean_copy_bytes=forward.bytes / count if count else 0.0,
+            exposed_copy_ms=copies.exposed_ms() if copies is not None else 0.0,
+            staging_bytes=plan.staging_bytes if plan is not None else 0,
+            unplanned_calls=copies.unplanned_calls if copies is not None else 0, plan=plan)
         return self.last
 
 
@@ -353,6 +391,7 @@ def _measure_copy_gbps(arena: Arena, device: torch.device) -> float:
 
 def offload(model: nn.Module, slices: int = 8, *, filter: Filter | None = None,  # noqa: A002
             device: str | torch.device = "cuda", pool_size: int = 4, prefetch: bool = True,
+            staging: int | str | None = None, copy_size: int | str | None = None,
             verbose: bool = False) -> nn.Module:
     """Offloads ``model``'s Linear weights to one pinned host arena and moves the rest to
     ``device``, in place; returns ``model``.
@@ -360,13 +399,17 @@ def offload(model: nn.Module, slices: int = 8, *, filter: Filter | None = None, 
     ``slices``: stream slices of each weight (its output features); ``pool_size``: worker
     streams (and staging slots); ``filter(name, linear)`` says which Linears to offload
     (default: every one whose weight no other module shares, e.g. not a tied lm_head);
-    ``device="cpu"`` runs every offloaded Linear through the evaluator on the CPU (the
-    reference semantics, for tests). ``prefetch`` (the default) stages the weights' slices
-    in the thread's staging ring, whose copies run ahead of the caller's stream: the
-    first slices of the next Linear are copied while this one computes (see the module
-    docstring); ``prefetch=False`` gives each call its own staging, forked from the
-    caller's stream. ``verbose`` prints :func:`report`'s line after each forward;
-    :func:`report` returns it."""
+    ``device="cpu"`` runs every offloaded Linear on the CPU (the reference semantics, for
+    tests). ``prefetch`` (the default): forwards stream the arena by a copy plan
+    (``codegen/nn/plan.py``): copies of about ``copy_size`` bytes (default
+    ``DEFAULT_COPY_BYTES``) across Linear boundaries, into a GPU staging ring of
+    ``staging`` bytes (default: half of the largest decoder layer's offloaded weights),
+    run ahead of the GEMM pieces that read them, into the next forward too; calls that
+    need gradients run the compiled programs, whose copies also run ahead (the thread's
+    staging ring of ``pool_size + 1`` slices). ``prefetch=False``: every call runs its
+    compiled program with staging of its own, forked from the caller's stream.
+    ``staging`` and ``copy_size`` take bytes or strings such as ``"256MiB"``. ``verbose``
+    prints :func:`report`'s line after each forward; :func:`report` returns it."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"codegen.nn.offload expects an nn.Module, got {type(model).__name__}")
     if isinstance(slices, bool) or not isinstance(slices, int) or slices < 1:
@@ -374,6 +417,13 @@ def offload(model: nn.Module, slices: int = 8, *, filter: Filter | None = None, 
     check_pool_size("codegen.nn.offload", pool_size)
     if not isinstance(prefetch, bool):
         raise TypeError(f"codegen.nn.offload: prefetch must be True or False, got {prefetch!r}")
+    staging_bytes = None if staging is None else parse_bytes("codegen.nn.offload: staging",
+                                                             staging)
+    copy_bytes = (None if copy_size is None else
+                  parse_bytes("codegen.nn.offload: copy_size", copy_size))
+    if copy_bytes is not None and copy_bytes < 1:
+        raise ValueError("codegen.nn.offload: copy_size must be at least 1 byte, got "
+                         f"{copy_size!r}")
     if getattr(model, "_codegen_offload", None) is not None:
         raise ValueError("codegen.nn.offload: this model is offloaded already")
     for n, m in model.named_modules():
@@ -425,27 +475,30 @@ def offload(model: nn.Module, slices: int = 8, *, filter: Filter | None = None, 
         if m.weight.dtype not in ir.DTYPE_NAMES:
             raise ValueError(f"codegen.nn.offload: {n}.weight is {m.weight.dtype}; offloaded "
                              f"weights must be one of {', '.join(ir.DTYPE_NAMES.values())}")
-    total = sum(-(-t.numel() * t.element_size() // ALIGN) * ALIGN
-                for _, m in chosen for t in (m.weight, m.bias) if t is not None)
+    # The arena: every bias first (one block, copied whole each forward), then the
+    # weights in the order of ``chosen`` (the forward's order where it is registration's),
+    # each at a multiple of ALIGN.
+    tensors = ([(m, "bias") for _, m in chosen if m.bias is not None]
+               + [(m, "weight") for _, m in chosen])
+    total = sum(round_up(getattr(m, key).numel() * getattr(m, key).element_size(), ALIGN)
+                for m, key in tensors)
     arena = Arena(torch.empty(total, dtype=torch.uint8), pinned=False)
     arena.pinned = _pin(arena.storage) if device.type == "cuda" else False
     state = _State(arena, device, slices, pool_size, prefetch, verbose)
     offloaded: set[int] = set()
     offset = 0
-    for name, m in chosen:  # each original is dropped as soon as its copy is in the arena
-        for key in ("weight", "bias"):
-            t = getattr(m, key)
-            if t is None:
-                continue
-            nbytes = t.numel() * t.element_size()
-            held = arena.tensor(offset, t.dtype, t.shape)
-            held.copy_(t.detach())
-            offset += -(-nbytes // ALIGN) * ALIGN
-            # The same Parameter, its data in the arena: an optimizer, hooks or a .grad
-            # made before offloading still refer to the weight the forward reads.
-            t.data = held
-            offloaded.add(id(t))
-            del t, held
+    for m, key in tensors:  # each original is dropped as soon as its copy is in the arena
+        t = getattr(m, key)
+        nbytes = t.numel() * t.element_size()
+        held = arena.tensor(offset, t.dtype, t.shape)
+        held.copy_(t.detach())
+        offset += round_up(nbytes, ALIGN)
+        # The same Parameter, its data in the arena: an optimizer, hooks or a .grad made
+        # before offloading still refer to the weight the forward reads.
+        t.data = held
+        offloaded.add(id(t))
+        del t, held
+    for name, m in chosen:
         m.__class__ = OffloadedLinear
         m._codegen = state  # type: ignore[attr-defined]
         m._codegen_name = name or "the model"  # type: ignore[attr-defined]
@@ -462,10 +515,61 @@ def offload(model: nn.Module, slices: int = 8, *, filter: Filter | None = None, 
         if name in above:
             module._apply = types.MethodType(_checked_apply, module)  # type: ignore[method-assign]
     state.copy_gbps = _measure_copy_gbps(arena, device)
+    if prefetch:
+        state.streamer = _streamer(chosen, arena, device, staging_bytes, copy_bytes)
+        state.index_of = {id(m.weight): i for i, (_, m) in enumerate(chosen)}
     model._codegen_offload = state  # type: ignore[attr-defined]
     model.register_forward_pre_hook(state.begin)
     model.register_forward_hook(state.end)
     return model
+
+
+# Copies of this size run at 97-99% of a whole-weight copy's bandwidth on H100/H200
+# (benchmarks/RESULTS.md, "Offload: copy size"), and leave a ring of half a layer room
+# for several copies in flight.
+DEFAULT_COPY_BYTES = 32 * 2**20
+
+
+def _layer_of(name: str) -> str:
+    """The decoder layer a module name belongs to: its name up to its first numeric part
+    (``model.layers.3`` of ``model.layers.3.mlp.up_proj``); "" where there is none."""
+    parts = name.split(".")
+    for k, part in enumerate(parts):
+        if part.isdigit():
+            return ".".join(parts[:k + 1])
+    return ""
+
+
+def default_staging(layouts: list[Layout]) -> int:
+    """Half of the largest layer's offloaded bytes (layers named as ``_layer_of`` finds
+    them; a model without numbered layers is one layer), and no more than a lap."""
+    layers: dict[str, int] = {}
+    for lay in layouts:
+        key = _layer_of(lay.name)
+        layers[key] = layers.get(key, 0) + round_up(lay.weight_bytes, ALIGN)
+    lap = sum(layers.values())
+    return max(round_up(min(max(layers.values(), default=0) // 2, lap), ALIGN), ALIGN)
+
+
+def _streamer(chosen: list[tuple[str, nn.Linear]], arena: Arena, device: torch.device,
+              staging: int | None, copy_bytes: int | None) -> Streamer:
+    """The copy plan of ``chosen`` in their order, and its runner. Without ``copy_bytes``:
+    ``DEFAULT_COPY_BYTES``, or less where the ring would hold fewer than four (two for a
+    ``staging`` the user gave); without ``staging``: ``default_staging``, and at least a
+    copy and a row more."""
+    base = arena.storage.data_ptr()
+    layouts = layouts_of([(name or "the model", m.weight, m.bias) for name, m in chosen], base)
+    bias_bytes = round_up(max((lay.bias_offset + lay.bias_bytes for lay in layouts
+                               if lay.bias_offset is not None), default=0), ALIGN)
+    ring = default_staging(layouts) if staging is None else staging
+    widest = max((lay.row_bytes for lay in layouts), default=1)
+    if copy_bytes is None:  # room for a few copies in flight, each at least one row
+        copy_bytes = min(DEFAULT_COPY_BYTES,
+                         max(widest, (ring - ALIGN) // (4 if staging is None else 2)))
+    if staging is None:
+        ring = max(ring, max(copy_bytes, 1) + widest + ALIGN)
+    plan = plan_stream(layouts, list(range(len(layouts))), ring, copy_bytes, bias_bytes)
+    return Streamer(plan, arena.storage, device, [(m.weight, m.bias) for _, m in chosen])
 
 
 def report(model: nn.Module) -> Report:

@@ -1,0 +1,294 @@
+"""The copy plan of an offloaded model: which bytes of the arena each forward copies, in
+which copies, into which bytes of the GPU staging, and which GEMM reads them.
+
+A forward is one *lap* over the plan. Its copies are *spans*: contiguous ranges of the
+arena of about ``copy_bytes``, cut at row boundaries of the weights and running across
+Linear boundaries (a Linear's weight, the next one's, ... as the arena lays them out in
+the order the forward reads them), each copied whole into the staging ring. Every bias
+travels in one *bias block* per forward into a buffer of its own. A Linear's GEMM runs as
+*pieces*, one per span its weight's rows lie in: piece ``p`` computes
+``y[:, r0:r1] = x @ W[r0:r1].T (+ b[r0:r1])`` and waits only for its span's copy.
+
+Where a span goes in the ring is fixed (every lap starts at the ring's start), so a lap
+reads the same ring bytes each time and a CUDA graph can capture one. A span's copy waits
+for the last readers of every span whose ring bytes it overlaps since its own previous
+copy: ``Span.waits`` lists them as (span, lap offset), offset 0 for a span earlier in the
+same lap, -1 for one of the previous lap. ``Piece.frees`` says which spans a piece is the
+last reader of in its lap. Printed, the plan reads as the host IR of one lap
+(:func:`StreamPlan.__str__`).
+
+Pure data and arithmetic: nothing here touches a tensor or a GPU (``streamer.py`` runs
+the plan).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import torch
+
+ALIGN = 256  # bytes: where each tensor of the arena starts, and each span in the ring
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(what: str, value: object) -> int:
+    """``value`` as a number of bytes: an int, or a string such as ``"6GiB"``, ``"512MiB"``,
+    ``"6GB"`` or ``"1.5 GiB"``; ``what`` names the argument in the error."""
+    if isinstance(value, bool):
+        raise TypeError(f"{what}: expected bytes as an int or a string such as '512MiB', got "
+                        f"{value!r}")
+    if isinstance(value, int):
+        n = value
+    elif isinstance(value, str):
+        found = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?)\s*([a-zA-Z]*)\s*", value)
+        unit = found.group(2).lower() if found else None
+        if not found or unit not in _UNITS:
+            raise ValueError(f"{what}: cannot read {value!r} as a size; expected a number of "
+                             "bytes with an optional unit (B, KB, MB, GB, KiB, MiB, GiB), "
+                             "e.g. '512MiB' or '6GB'")
+        n = int(float(found.group(1)) * _UNITS[unit])
+    else:
+        raise TypeError(f"{what}: expected bytes as an int or a string such as '512MiB', got "
+                        f"{type(value).__name__}")
+    if n < 0:
+        raise ValueError(f"{what}: expected a size >= 0 bytes, got {value!r}")
+    return n
+
+
+def format_bytes(n: float) -> str:
+    """``n`` bytes in the binary unit that fits: ``512 B``, ``3.0 KiB``, ``208.0 MiB``..."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n:.0f} B"
+
+
+def round_up(n: int, to: int) -> int:
+    return -(-n // to) * to
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Where one offloaded Linear's tensors lie in the arena (bytes from its start)."""
+
+    name: str
+    dtype: torch.dtype
+    out_features: int
+    in_features: int
+    weight_offset: int
+    bias_offset: int | None  # in the arena's bias block; None: no bias
+
+    @property
+    def row_bytes(self) -> int:
+        return self.in_features * self.dtype.itemsize
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.out_features * self.row_bytes
+
+    @property
+    def bias_bytes(self) -> int:
+        return 0 if self.bias_offset is None else self.out_features * self.dtype.itemsize
+
+
+@dataclasses.dataclass(frozen=True)
+class Span:
+    """One copy of a lap: ``nbytes`` of the arena from ``arena_begin`` to the ring at
+    ``ring_begin`` (to the bias buffer at ``arena_begin`` for the bias block), after the
+    last readers of ``waits`` have finished."""
+
+    index: int
+    arena_begin: int
+    nbytes: int
+    ring_begin: int | None  # None: the bias block
+    waits: tuple[tuple[int, int], ...]
+
+    @property
+    def is_bias_block(self) -> bool:
+        return self.ring_begin is None
+
+    def target(self) -> str:
+        if self.ring_begin is None:
+            return f"biases[{self.arena_begin}:{self.arena_begin + self.nbytes}]"
+        return f"ring[{self.ring_begin}:{self.ring_begin + self.nbytes}]"
+
+
+@dataclasses.dataclass(frozen=True)
+class Piece:
+    """Rows ``rows`` of a Linear's weight, read from span ``span`` at ``ring_offset``; the
+    last reader in its lap of the spans ``frees``."""
+
+    rows: tuple[int, int]
+    span: int
+    ring_offset: int
+    frees: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Call:
+    """The ``position``-th Linear call of a forward: Linear ``linear`` (an index of
+    ``StreamPlan.layouts``), its pieces, and the bias block's span if it has a bias."""
+
+    position: int
+    linear: int
+    pieces: tuple[Piece, ...]
+    bias_span: int | None
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamPlan:
+    """The copies and GEMM pieces of one forward (see the module docstring)."""
+
+    layouts: tuple[Layout, ...]
+    calls: tuple[Call, ...]
+    spans: tuple[Span, ...]
+    ring_bytes: int
+    bias_bytes: int
+    copy_bytes: int
+
+    @property
+    def order(self) -> tuple[int, ...]:
+        """The Linears in the order a forward calls them."""
+        return tuple(c.linear for c in self.calls)
+
+    @property
+    def bytes_per_lap(self) -> int:
+        return sum(s.nbytes for s in self.spans)
+
+    @property
+    def staging_bytes(self) -> int:
+        """GPU bytes the plan stages in: the ring and the bias buffer."""
+        return self.ring_bytes + self.bias_bytes
+
+    def summary(self) -> str:
+        n = len(self.spans)
+        mean = self.bytes_per_lap / n if n else 0
+        return (f"{len(self.calls)} Linear calls, {format_bytes(self.bytes_per_lap)} in {n} "
+                f"copies a forward (mean {format_bytes(mean)}, target "
+                f"{format_bytes(self.copy_bytes)}); staging: ring "
+                f"{format_bytes(self.ring_bytes)} + biases {format_bytes(self.bias_bytes)}")
+
+    def __str__(self) -> str:
+        """The plan as host IR: each span's copy on the copy stream, after the events of
+        the readers it waits for; then each Linear call's pieces on the caller's stream.
+        At run time a copy is queued as soon as its waits have been recorded (the next
+        lap's first spans under this lap's last pieces)."""
+        lines = [f"StreamPlan({self.summary()})", "copies (Stream(copy)):"]
+        for s in self.spans:
+            waits = ", ".join(f"freed[{k}]" + ("" if d == 0 else "@lap-1") for k, d in s.waits)
+            lines.append(f"  span {s.index}: WaitEvent({waits}); Copy(arena[{s.arena_begin}:"
+                         f"{s.arena_begin + s.nbytes}], out={s.target()}); "
+                         f"RecordEvent(copied[{s.index}])")
+        lines.append("calls (the caller's stream):")
+        for call in self.calls:
+            lay = self.layouts[call.linear]
+            lines.append(f"  {lay.name}: [{lay.out_features}, {lay.in_features}] "
+                         f"{str(lay.dtype).removeprefix('torch.')}")
+            for piece in call.pieces:
+                r0, r1 = piece.rows
+                waits = [piece.span] + ([call.bias_span] if call.bias_span is not None else [])
+                end = piece.ring_offset + (r1 - r0) * lay.row_bytes
+                bias = ""
+                if lay.bias_offset is not None:
+                    at = lay.bias_offset + r0 * lay.dtype.itemsize
+                    bias = f", biases[{at}:{at + (r1 - r0) * lay.dtype.itemsize}]"
+                frees = "".join(f"; RecordEvent(freed[{j}])" for j in piece.frees)
+                lines.append(f"    WaitEvent({', '.join(f'copied[{j}]' for j in waits)}); "
+                             f"Linear(x, ring[{piece.ring_offset}:{end}] as [{r1 - r0}, "
+                             f"{lay.in_features}]{bias}, out=y[:, {r0}:{r1}]){frees}")
+        return "\n".join(lines)
+
+
+def plan_stream(layouts: list[Layout] | tuple[Layout, ...], order: list[int] | tuple[int, ...],
+                ring_bytes: int, copy_bytes: int, bias_bytes: int) -> StreamPlan:
+    """The plan of a forward that calls ``layouts[i]`` for ``i`` in ``order``, with a ring
+    of ``ring_bytes`` and copies of about ``copy_bytes``; ``bias_bytes``: the bias block's
+    size (the arena's first bytes), copied whole each forward.
+
+    Spans: the rows of the weights in call order, packed while they are adjacent in the
+    arena and the span stays within ``copy_bytes``; a weight that starts with less than
+    an eighth of a span left starts a new span instead (no sliver GEMMs). A span holds at
+    least one row, so ``copy_bytes`` below a row's bytes is raised to it."""
+    layouts = tuple(layouts)
+    widest = max((lay.row_bytes for lay in layouts), default=0)
+    copy_bytes = max(copy_bytes, widest, 1)
+    if ring_bytes < copy_bytes + ALIGN:
+        raise ValueError(f"codegen.nn.offload: a staging ring of {format_bytes(ring_bytes)} "
+                         f"cannot hold one copy of {format_bytes(copy_bytes)} (the widest "
+                         f"weight row is {format_bytes(widest)}); give staging at least "
+                         f"{copy_bytes + ALIGN} bytes")
+    spans: list[tuple[int, int]] = []  # (arena_begin, nbytes)
+    bias_span = None
+    if bias_bytes:
+        bias_span = 0
+        spans.append((0, bias_bytes))
+    open_begin = open_end = -1
+    calls_pieces: list[list[tuple[tuple[int, int], int, int]]] = []  # (rows, span, offset)
+
+    def close() -> None:
+        nonlocal open_begin, open_end
+        if open_begin >= 0:
+            spans.append((open_begin, open_end - open_begin))
+        open_begin = open_end = -1
+
+    for i in order:
+        lay = layouts[i]
+        pieces = []
+        r = 0
+        while r < lay.out_features and lay.row_bytes > 0:
+            start = lay.weight_offset + r * lay.row_bytes
+            adjacent = open_begin >= 0 and start in (open_end, round_up(open_end, ALIGN))
+            room = copy_bytes - (start - open_begin) if adjacent else 0
+            if room < max(lay.row_bytes, copy_bytes // 8):
+                close()
+                open_begin, room = start, copy_bytes
+            rows = min(lay.out_features - r, room // lay.row_bytes)
+            open_end = start + rows * lay.row_bytes
+            pieces.append(((r, r + rows), len(spans), start - open_begin))
+            r += rows
+        calls_pieces.append(pieces)
+    close()
+    # Ring places: from the ring's start each lap, each span at the next bytes that keep
+    # its arena alignment (mod ALIGN), wrapping to the start when it does not fit.
+    ring_at: list[int | None] = []
+    head = 0
+    for j, (begin, nbytes) in enumerate(spans):
+        if j == bias_span:
+            ring_at.append(None)
+            continue
+        phase = begin % ALIGN
+        at = round_up(max(head - phase, 0), ALIGN) + phase
+        if at + nbytes > ring_bytes:
+            at = phase
+        ring_at.append(at)
+        head = at + nbytes
+    made = []
+    for j, (begin, nbytes) in enumerate(spans):
+        if ring_at[j] is None:
+            waits: tuple[tuple[int, int], ...] = ((j, -1),)
+        else:
+            lo, hi = ring_at[j], ring_at[j] + nbytes
+            waits = tuple((k, 0 if k < j else -1) for k, (_, n) in enumerate(spans)
+                          if ring_at[k] is not None and ring_at[k] < hi and lo < ring_at[k] + n)
+        made.append(Span(j, begin, nbytes, ring_at[j], waits))
+    # The last reader of each span in a lap.
+    last: dict[int, tuple[int, int]] = {}
+    reads_bias = [bias_span is not None and layouts[i].bias_offset is not None and bool(p)
+                  for i, p in zip(order, calls_pieces)]
+    for c, pieces in enumerate(calls_pieces):
+        for p, (_, span, _) in enumerate(pieces):
+            last[span] = (c, p)
+        if reads_bias[c]:
+            last[bias_span] = (c, len(pieces) - 1)  # type: ignore[index]
+    calls = []
+    for c, pieces in enumerate(calls_pieces):
+        made_pieces = []
+        for p, (rows, span, offset) in enumerate(pieces):
+            frees = tuple(sorted(j for j, at in last.items() if at == (c, p)))
+            made_pieces.append(Piece(rows, span, ring_at[span] + offset, frees))  # type: ignore[operator]
+        calls.append(Call(c, order[c], tuple(made_pieces),
+                          bias_span if reads_bias[c] else None))
+    return StreamPlan(layouts, tuple(calls), tuple(made), ring_bytes, bias_bytes, copy_bytes)

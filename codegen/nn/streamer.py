@@ -1,0 +1,438 @@
+"""Runs a :class:`~codegen.nn.plan.StreamPlan`: the copies of an offloaded model's weights
+on a copy stream, into the staging ring, ahead of the GEMM pieces that read them.
+
+The host drives it, call by call, as the forward runs. Each Linear call waits (on the GPU)
+for the copies of its pieces' spans, queues its pieces, records the events that free the
+spans it read last, then queues every copy whose waits have all been recorded: the copy
+stream runs as far ahead as the ring allows, across Linears and, at the end of a forward,
+into the first spans of the next one. A copy never waits for an event that has not been
+recorded yet (its record is what lets the host queue the copy), so every wait refers to
+the right use of the ring's bytes.
+
+What is not the plan's forward runs unplanned, each weight copied whole on the caller's
+stream: a call out of the learnt order (the plan is learnt again from the forward that
+ended), a call from a second thread while a forward runs, a call outside a forward of the
+root module, a call that needs gradients (the offloaded Linear takes its compiled,
+differentiable program instead). Starting over (``_restart``) orders the copy stream
+after everything the caller's stream has queued and copies the next forward from its
+first span: after a forward that did not end as planned, when a weight was written in
+place between forwards (its ``_version`` counter moved), around CUDA-graph capture.
+
+A captured forward reads the spans the eager forward before it queued (the capture
+begins on an idle GPU: ``torch.cuda.graph`` synchronizes) and queues the first spans of
+the next forward itself, so graph replays stream back to back with the same plan; the
+copy stream is joined into the capturing stream at the forward's end. Once a model has
+been captured, eager forwards join their copies into the caller's stream at their end
+too, so that a replay after them finds the first spans in place.
+
+On the CPU (``device="cpu"``, the tests) the same plan runs with CPU tensors: copies are
+done when queued, and a log of the two streams' events (vector clocks) checks every read
+and write of the staging against the plan's ordering (:class:`OrderCheck`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from ..errors import InternalError
+from .plan import Layout, StreamPlan, plan_stream
+
+
+class OrderCheck:
+    """Happens-before over the host backend's two streams (vector clocks, as CUDA orders
+    streams with events): raises :class:`InternalError` where a read of staging bytes is
+    not ordered after the write it reads, or a write not after the reads of the data it
+    overwrites."""
+
+    def __init__(self) -> None:
+        self.clock: dict[str, dict[str, int]] = {"current": {}, "copy": {}}
+        # buffer -> list of (lo, hi, write stamp, reads since that write)
+        self.regions: dict[str, list[tuple[int, int, tuple[str, int], list[tuple[str, int]]]]] = {}
+
+    def _tick(self, stream: str) -> tuple[str, int]:
+        c = self.clock[stream]
+        c[stream] = c.get(stream, 0) + 1
+        return stream, c[stream]
+
+    def _before(self, stamp: tuple[str, int], stream: str) -> bool:
+        return self.clock[stream].get(stamp[0], 0) >= stamp[1]
+
+    def record(self, stream: str) -> dict[str, int]:
+        return dict(self.clock[stream])
+
+    def wait(self, stream: str, snapshot: dict[str, int] | None) -> None:
+        c = self.clock[stream]
+        for s, n in (snapshot or {}).items():
+            c[s] = max(c.get(s, 0), n)
+
+    def access(self, stream: str, buffer: str, lo: int, hi: int, write: bool) -> None:
+        stamp = self._tick(stream)
+        regions = self.regions.setdefault(buffer, [])
+        for r_lo, r_hi, written, reads in regions:
+            if r_lo < hi and lo < r_hi:
+                if not self._before(written, stream):
+                    raise InternalError(f"staging order: {'write' if write else 'read'} of "
+                                        f"{buffer}[{lo}:{hi}] on {stream} is not ordered after "
+                                        f"the copy into [{r_lo}:{r_hi}] ({written}) (bug)")
+                if write and not all(self._before(r, stream) for r in reads):
+                    raise InternalError(f"staging order: the copy into {buffer}[{lo}:{hi}] is "
+                                        f"not ordered after the reads of [{r_lo}:{r_hi}] (bug)")
+        if write:
+            kept = []
+            for r_lo, r_hi, written, reads in regions:
+                if r_lo < lo:
+                    kept.append((r_lo, min(r_hi, lo), written, reads))
+                if r_hi > hi:
+                    kept.append((max(r_lo, hi), r_hi, written, reads))
+            kept.append((lo, hi, stamp, []))
+            self.regions[buffer] = kept
+        else:
+            for r_lo, r_hi, _, reads in regions:
+                if r_lo < hi and lo < r_hi:
+                    reads.append(stamp)
+
+
+class _HostEvent:
+    snapshot: dict[str, int] | None = None
+
+
+class _HostBackend:
+    """The CPU's streams: work runs when queued; events and waits go to an OrderCheck."""
+
+    capturing = staticmethod(lambda: False)
+
+    def __init__(self) -> None:
+        self.check = OrderCheck()
+        self.copy_stream = "copy"
+
+    def current(self) -> str:
+        return "current"
+
+    def event(self, timing: bool = False) -> _HostEvent:
+        return _HostEvent()
+
+    def record(self, event: _HostEvent, stream: str) -> None:
+        event.snapshot = self.check.record(stream)
+
+    def wait(self, stream: str, event: _HostEvent) -> None:
+        self.check.wait(stream, event.snapshot)
+
+    def order(self, later: str, earlier: str) -> None:
+        self.check.wait(later, self.check.record(earlier))
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, buffer: str, lo: int) -> None:
+        self.check.access("copy", buffer, lo, lo + dst.numel(), write=True)
+        dst.copy_(src)
+
+    def read(self, stream: str, buffer: str, lo: int, hi: int) -> None:
+        self.check.access(stream, buffer, lo, hi, write=False)
+
+
+class _CudaBackend:
+    """CUDA streams and events; the copy stream is the streamer's own."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.copy_stream = torch.cuda.Stream(device)
+
+    def capturing(self) -> bool:
+        with torch.cuda.device(self.device):
+            return torch.cuda.is_current_stream_capturing()
+
+    def current(self) -> torch.cuda.Stream:
+        return torch.cuda.current_stream(self.device)
+
+    def event(self, timing: bool = False) -> torch.cuda.Event:
+        return torch.cuda.Event(enable_timing=timing)
+
+    def record(self, event: torch.cuda.Event, stream: torch.cuda.Stream) -> None:
+        event.record(stream)
+
+    def wait(self, stream: torch.cuda.Stream, event: torch.cuda.Event) -> None:
+        stream.wait_event(event)
+
+    def order(self, later: torch.cuda.Stream, earlier: torch.cuda.Stream) -> None:
+        later.wait_stream(earlier)
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, buffer: str, lo: int) -> None:
+        with torch.cuda.stream(self.copy_stream):
+            dst.copy_(src, non_blocking=True)
+
+    def read(self, stream: Any, buffer: str, lo: int, hi: int) -> None:
+        pass
+
+
+@dataclasses.dataclass
+class ForwardCopies:
+    """What one forward's Linear calls read: copies (spans, or whole weights where a call
+    ran unplanned) and their bytes, and the probes that time how long the caller's stream
+    waited for copies (pairs of timing events around each wait; GPU, eager only)."""
+
+    copies: int = 0
+    bytes: int = 0
+    planned_calls: int = 0
+    unplanned_calls: int = 0
+    read: set[tuple[int, int]] = dataclasses.field(default_factory=set)  # (lap, span)
+    probes: list[tuple[Any, Any]] = dataclasses.field(default_factory=list)
+
+    def exposed_ms(self) -> float:
+        """Milliseconds the caller's stream spent waiting for copies (synchronizes)."""
+        if not self.probes:
+            return 0.0
+        self.probes[-1][1].synchronize()
+        return sum(a.elapsed_time(b) for a, b in self.probes)
+
+
+class Streamer:
+    """Streams an arena's weights to ``device`` by ``plan`` (see the module docstring).
+    ``weights[i]``: the (weight, bias) Parameters of ``plan.layouts[i]``, whose
+    ``_version`` counters tell a weight written in place between forwards."""
+
+    def __init__(self, plan: StreamPlan, arena: torch.Tensor, device: torch.device,
+                 weights: Sequence[tuple[torch.Tensor, torch.Tensor | None]]) -> None:
+        self.device = device
+        self.arena = arena
+        self.weights = list(weights)
+        self.backend: _HostBackend | _CudaBackend = (
+            _CudaBackend(device) if device.type == "cuda" else _HostBackend())
+        self.ring = torch.empty(plan.ring_bytes, dtype=torch.uint8, device=device)
+        self.biases = torch.empty(plan.bias_bytes, dtype=torch.uint8, device=device)
+        self.active: int | None = None  # the thread whose forward runs the plan
+        self.graphs = False  # a forward was captured: eager forwards join their copies
+        self.last_captured = False
+        self.capturing = False
+        self.versions = self._versions()
+        self.probe_sets: list[list[Any]] = [[], []]
+        self.forwards = 0
+        self.probe_used = 0
+        self.now: ForwardCopies | None = None
+        self._set_plan(plan)
+
+    # -------------------------------------------------------------------- the plan
+    def _set_plan(self, plan: StreamPlan) -> None:
+        n = len(plan.spans)
+        self.plan = plan
+        self.copied = [self.backend.event() for _ in range(n)]
+        self.freed = [self.backend.event() for _ in range(n)]
+        self.freed_lap = [-1] * n
+        self.lap = 0  # the lap the next call reads
+        self.cursor = 0  # the next call's position in the plan
+        self.issued = 0  # spans queued, over every lap (lap * n + span)
+        self.settled = 0  # spans queued before this one need no wait for their copy
+        self.skip_before = 0  # frees recorded in laps before this one need no wait
+        self.off_plan = False  # this forward left the plan: its other calls run unplanned
+        self.observed: list[int] = []
+
+    def relearn(self, order: list[int]) -> None:
+        """Plans the forward that calls ``order`` (the Linears' indices) from now on."""
+        plan = plan_stream(self.plan.layouts, order, self.plan.ring_bytes,
+                           self.plan.copy_bytes, self.plan.bias_bytes)
+        self._restart(self.backend.current())
+        self._set_plan(plan)
+        self._pump()
+
+    def _versions(self) -> int:
+        return sum(t._version for pair in self.weights for t in pair if t is not None)
+
+    def _restart(self, stream: Any) -> None:
+        """Drops what is queued for reads that will not come: the copy stream waits for
+        everything ``stream`` has queued, and the next call reads a new lap, copied from
+        its first span."""
+        self.backend.order(self.backend.copy_stream, stream)
+        n = max(len(self.plan.spans), 1)
+        self.lap = self.issued // n + 1
+        self.issued = self.settled = self.lap * n
+        self.freed_lap = [self.lap - 1] * len(self.plan.spans)
+        self.skip_before = self.lap
+        self.cursor = 0
+
+    # -------------------------------------------------------------------- copies
+    def _pump(self) -> None:
+        """Queues every copy whose waits have all been recorded, in plan order, up to the
+        end of the next lap."""
+        n = len(self.plan.spans)
+        while self.issued < (self.lap + 2) * n:
+            lap, j = divmod(self.issued, n)
+            span = self.plan.spans[j]
+            if any(self.freed_lap[k] < lap + d for k, d in span.waits):
+                return
+            for k, d in span.waits:
+                if lap + d >= self.skip_before:
+                    self.backend.wait(self.backend.copy_stream, self.freed[k])
+            if span.is_bias_block:
+                dst, buffer, lo = self.biases, "biases", span.arena_begin
+            else:
+                dst, buffer, lo = self.ring, "ring", span.ring_begin
+            self.backend.copy(dst[lo:lo + span.nbytes],
+                              self.arena[span.arena_begin:span.arena_begin + span.nbytes],
+                              buffer, lo)  # type: ignore[arg-type]
+            self.backend.record(self.copied[j], self.backend.copy_stream)
+            self.issued += 1
+
+    def _await_copy(self, stream: Any, j: int) -> None:
+        """The caller's stream waits for span ``j``'s copy of this lap (queued first)."""
+        index = self.lap * len(self.plan.spans) + j
+        if self.issued <= index:
+            self._pump()
+        if self.issued <= index:
+            raise InternalError(f"codegen.nn.offload: span {j} of lap {self.lap} cannot be "
+                                "copied before the call that reads it (a plan whose waits "
+                                "need a later reader; bug)")
+        if index < self.settled:
+            return
+        probe = self.now is not None and not self.capturing and isinstance(
+            self.backend, _CudaBackend)
+        if probe:
+            before = self._probe_event()
+            self.backend.record(before, stream)
+        self.backend.wait(stream, self.copied[j])
+        if probe:
+            after = self._probe_event()
+            self.backend.record(after, stream)
+            self.now.probes.append((before, after))  # type: ignore[union-attr]
+
+    def _probe_event(self) -> Any:
+        """A timing event of this forward's set (two sets, alternating by forward: the
+        report reads the last forward that ended while the next one records)."""
+        pool = self.probe_sets[self.forwards % 2]
+        if self.probe_used == len(pool):
+            pool.append(self.backend.event(timing=True))
+        self.probe_used += 1
+        return pool[self.probe_used - 1]
+
+    # -------------------------------------------------------------------- forwards
+    def begin(self) -> bool:
+        """The root module's forward starts; whether this thread's calls run the plan."""
+        me = threading.get_ident()
+        if self.active is not None and self.active != me:
+            return False  # another thread's forward runs the plan; this one runs unplanned
+        stream = self.backend.current()
+        capturing = self.backend.capturing()
+        versions = self._versions()
+        stale = (self.active == me or self.cursor != 0 or self.off_plan
+                 or versions != self.versions)
+        self.active = me
+        self.versions = versions
+        if capturing:
+            self.graphs = True
+            self.backend.order(self.backend.copy_stream, stream)  # the copies join the capture
+            if stale or self.last_captured:
+                self._restart(stream)
+            else:  # the capture begins on an idle GPU: what was queued before has run
+                self.settled = self.issued
+                self.skip_before = self.lap
+        elif stale or self.last_captured:
+            self._restart(stream)
+        self.capturing = capturing
+        self.off_plan = False
+        self.observed = []
+        self.forwards += 1
+        self.probe_used = 0
+        self.now = ForwardCopies()
+        self._pump()
+        return True
+
+    def end(self) -> ForwardCopies | None:
+        """The root module's forward ended (in this thread); what its calls read."""
+        if self.active != threading.get_ident():
+            return None
+        self.active = None
+        stream = self.backend.current()
+        if not self.capturing and (self.off_plan or self.cursor != 0) and self.observed:
+            self.relearn(self.observed)
+        if self.capturing or self.graphs:
+            self.backend.order(stream, self.backend.copy_stream)
+        self.last_captured = self.capturing
+        now, self.now = self.now, None
+        return now
+
+    def call(self, linear: int, x: torch.Tensor) -> torch.Tensor | None:
+        """``F.linear(x, weight, bias)`` of Linear ``linear`` (x 2-D on the device) by the
+        plan, or None where this call is not the plan's next (the caller runs it
+        unplanned)."""
+        if self.active != threading.get_ident():
+            return None
+        self.observed.append(linear)
+        calls = self.plan.calls
+        if self.off_plan or self.cursor >= len(calls) or calls[self.cursor].linear != linear:
+            self.off_plan = True
+            return None
+        call = calls[self.cursor]
+        lay = self.plan.layouts[linear]
+        stream = self.backend.current()
+        if not call.pieces:  # no weight bytes: the caller's unplanned call is as cheap
+            self._advance()
+            return None
+        single = len(call.pieces) == 1
+        out = None if single else x.new_empty(x.shape[0], lay.out_features)
+        if call.bias_span is not None:
+            self._await_copy(stream, call.bias_span)
+        for piece in call.pieces:
+            self._await_copy(stream, piece.span)
+            r0, r1 = piece.rows
+            lo, hi = piece.ring_offset, piece.ring_offset + (r1 - r0) * lay.row_bytes
+            self.backend.read(stream, "ring", lo, hi)
+            w = self.ring[lo:hi].view(lay.dtype).view(r1 - r0, lay.in_features)
+            b = None
+            if lay.bias_offset is not None:
+                b_lo = lay.bias_offset + r0 * lay.dtype.itemsize
+                b_hi = b_lo + (r1 - r0) * lay.dtype.itemsize
+                self.backend.read(stream, "biases", b_lo, b_hi)
+                b = self.biases[b_lo:b_hi].view(lay.dtype)
+            if single:
+                out = F.linear(x, w, b)
+            elif b is None:
+                torch.mm(x, w.t(), out=out[:, r0:r1])  # type: ignore[index]
+            else:
+                torch.addmm(b, x, w.t(), out=out[:, r0:r1])  # type: ignore[index]
+            for j in piece.frees:
+                self.backend.record(self.freed[j], stream)
+                self.freed_lap[j] = self.lap
+            for j in (piece.span, call.bias_span):
+                if self.now is not None and j is not None and (self.lap, j) not in self.now.read:
+                    self.now.read.add((self.lap, j))
+                    self.now.copies += 1
+                    self.now.bytes += self.plan.spans[j].nbytes
+            self._pump()
+        if self.now is not None:
+            self.now.planned_calls += 1
+        self._advance()
+        return out
+
+    def _advance(self) -> None:
+        """The plan's next call; after the last one, the next lap's."""
+        self.cursor += 1
+        if self.cursor == len(self.plan.calls):
+            self.lap += 1
+            self.cursor = 0
+            self._pump()
+
+    def unplanned(self, x: torch.Tensor, weight: torch.Tensor,
+                  bias: torch.Tensor | None) -> torch.Tensor:
+        """A call off the plan: its weight (and bias) copied whole on the caller's stream."""
+        if self.now is not None and self.active == threading.get_ident():
+            self.now.unplanned_calls += 1
+            for t in (weight, bias):
+                if t is not None and t.numel():
+                    self.now.copies += 1
+                    self.now.bytes += t.numel() * t.element_size()
+        if self.device.type == "cpu":
+            return F.linear(x, weight, bias)
+        w = weight.to(self.device, non_blocking=True)
+        b = bias.to(self.device, non_blocking=True) if bias is not None else None
+        return F.linear(x, w, b)
+
+
+def layouts_of(named: Sequence[tuple[str, torch.Tensor, torch.Tensor | None]],
+               arena_base: int) -> list[Layout]:
+    """The Layouts of Linears given as (name, weight, bias) whose tensors lie in an arena
+    starting at address ``arena_base``."""
+    return [Layout(name, w.dtype, w.shape[0], w.shape[1], w.data_ptr() - arena_base,
+                   None if b is None else b.data_ptr() - arena_base)
+            for name, w, b in named]

@@ -1,0 +1,342 @@
+"""The copy plan of an offloaded model (codegen/nn/plan.py) and its runner
+(codegen/nn/streamer.py), on the CPU: spans, ring places and waits against a brute-force
+reading of the plan; forwards against the original model under rings that wrap, copies
+that cut weights into pieces, call orders that change, forwards that stop half-way,
+weights written between forwards and a second thread; every read and write of the
+staging checked against the events by the CPU backend's vector clocks."""
+
+import copy
+import threading
+
+import pytest
+import torch
+from helpers import tiny_llama
+from torch import nn
+
+import codegen
+import codegen.nn
+from codegen.nn.plan import ALIGN, Layout, format_bytes, parse_bytes, plan_stream
+
+
+def layouts(shapes, dtype=torch.float32, bias=False):
+    """Layouts of Linears of weight ``shapes``, laid out as offload lays out its arena."""
+    item = dtype.itemsize
+    offset, out = 0, []
+    bias_at = []
+    for o, _ in shapes:
+        bias_at.append(offset if bias else None)
+        if bias:
+            offset += -(-o * item // ALIGN) * ALIGN
+    for (o, i), b in zip(shapes, bias_at):
+        out.append(Layout(f"l{len(out)}", dtype, o, i, offset, b))
+        offset += -(-o * i * item // ALIGN) * ALIGN
+    return out, (offset if not bias else sum(-(-o * item // ALIGN) * ALIGN for o, _ in shapes))
+
+
+def check_plan(plan, layouts_):
+    """What a plan must hold, read the long way: the pieces of each call cover its rows
+    in order, each inside its span's arena bytes and ring bytes; ring places keep the
+    arena's alignment; each span waits for every span that used its ring bytes since its
+    own previous copy; each span's last reader of a lap frees it."""
+    spans = plan.spans
+    for call in plan.calls:
+        lay = layouts_[call.linear]
+        at = 0
+        for piece in call.pieces:
+            r0, r1 = piece.rows
+            assert r0 == at and r1 > r0
+            at = r1
+            s = spans[piece.span]
+            lo = lay.weight_offset + r0 * lay.row_bytes
+            hi = lo + (r1 - r0) * lay.row_bytes
+            assert s.arena_begin <= lo and hi <= s.arena_begin + s.nbytes
+            assert piece.ring_offset == s.ring_begin + lo - s.arena_begin
+        assert at == (lay.out_features if lay.row_bytes else 0)
+    ring = [s for s in spans if not s.is_bias_block]
+    for s in ring:
+        assert s.ring_begin % ALIGN == s.arena_begin % ALIGN
+        assert 0 <= s.ring_begin and s.ring_begin + s.nbytes <= plan.ring_bytes
+        assert s.nbytes <= plan.copy_bytes
+    n = len(spans)
+    for j, s in enumerate(spans):
+        if s.is_bias_block:
+            assert s.waits == ((j, -1),)
+            continue
+        # Brute force over two laps: every span copied between s's previous copy and s
+        # whose ring bytes overlap s's.
+        need = {(j, -1)}
+        for k in list(range(j + 1, n)) + list(range(j)):
+            t = spans[k]
+            if (not t.is_bias_block and t.ring_begin < s.ring_begin + s.nbytes
+                    and s.ring_begin < t.ring_begin + t.nbytes):
+                need.add((k, 0 if k < j else -1))
+        assert set(s.waits) == need, (j, s.waits, need)
+    last = {}
+    for call in plan.calls:
+        for p, piece in enumerate(call.pieces):
+            last[piece.span] = (call.position, p)
+        if call.bias_span is not None:
+            last[call.bias_span] = (call.position, len(call.pieces) - 1)
+    for call in plan.calls:
+        for p, piece in enumerate(call.pieces):
+            assert set(piece.frees) == {j for j, at in last.items() if at == (call.position, p)}
+
+
+SHAPES = [(64, 64), (16, 64), (16, 64), (64, 64), (200, 64), (200, 64), (64, 200), (97, 64)]
+
+
+@pytest.mark.parametrize("ring, copy_bytes", [(10**6, 10**6 - ALIGN), (40000, 16384),
+                                              (9000, 4096), (3 * 800 + ALIGN, 800)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_plans_hold_what_they_promise(ring, copy_bytes, bias):
+    lays, bias_bytes = layouts(SHAPES, bias=bias)
+    plan = plan_stream(lays, list(range(len(lays))), ring, copy_bytes,
+                       bias_bytes if bias else 0)
+    check_plan(plan, lays)
+    assert plan.bytes_per_lap >= sum(lay.weight_bytes + lay.bias_bytes for lay in lays)
+    assert any(s.is_bias_block for s in plan.spans) == bias
+
+
+def test_spans_run_across_linears_and_cut_weights_at_rows():
+    lays, _ = layouts([(16, 64), (16, 64), (256, 64)])  # 4 KiB, 4 KiB, 64 KiB
+    plan = plan_stream(lays, [0, 1, 2], ring_bytes=10**6, copy_bytes=16384, bias_bytes=0)
+    # Both small weights and the big one's first 32 rows in one span, then 64 rows a span.
+    assert [c.pieces[0].span for c in plan.calls[:2]] == [0, 0]
+    assert [p.rows for p in plan.calls[2].pieces] == [(0, 32), (32, 96), (96, 160),
+                                                       (160, 224), (224, 256)]
+    assert [s.nbytes for s in plan.spans] == [16384] * 4 + [8192]
+    # A weight starting with less than an eighth of a span left starts a span of its own.
+    plan = plan_stream(lays, [2, 0, 1], ring_bytes=10**6, copy_bytes=65536 + 1024,
+                       bias_bytes=0)
+    assert plan.calls[1].pieces[0].span == 1
+
+
+def test_the_ring_wraps_and_every_lap_reads_the_same_bytes():
+    lays, _ = layouts([(64, 64)] * 5)  # 16 KiB each
+    plan = plan_stream(lays, range(5), ring_bytes=40000, copy_bytes=16384, bias_bytes=0)
+    assert [s.ring_begin for s in plan.spans] == [0, 16384, 0, 16384, 0]
+    assert plan.spans[2].waits == ((0, 0), (2, -1), (4, -1))
+
+
+def test_a_call_order_the_arena_does_not_follow_gets_a_span_per_run():
+    lays, _ = layouts([(16, 64)] * 4)
+    plan = plan_stream(lays, [0, 2, 1, 3], ring_bytes=10**6, copy_bytes=10**5, bias_bytes=0)
+    assert len(plan.spans) == 4  # nothing adjacent in the arena in that order
+    assert plan_stream(lays, [0, 1, 2, 3], 10**6, 10**5, 0).spans[0].nbytes == 4 * 4096
+
+
+def test_a_ring_smaller_than_a_row_is_refused_with_what_it_needs():
+    lays, _ = layouts([(4, 1024)])
+    with pytest.raises(ValueError, match="staging ring of 2.0 KiB cannot hold one copy of "
+                                         "4.0 KiB .* give staging at least 4352 bytes"):
+        plan_stream(lays, [0], ring_bytes=2048, copy_bytes=100, bias_bytes=0)
+
+
+def test_sizes_are_read_and_written_in_units():
+    assert parse_bytes("x", "6GiB") == 6 * 2**30
+    assert parse_bytes("x", "512 MiB") == 512 * 2**20
+    assert parse_bytes("x", "6GB") == 6 * 10**9
+    assert parse_bytes("x", "1.5gib") == 3 * 2**29
+    assert parse_bytes("x", 1000) == 1000
+    for bad in ("six GiB", "6 GiBs", "-1"):
+        with pytest.raises(ValueError, match=r"x: cannot read .* as a size"):
+            parse_bytes("x", bad)
+    with pytest.raises(TypeError, match="x: expected bytes"):
+        parse_bytes("x", 2.5)
+    assert [format_bytes(n) for n in (512, 3 * 2**10, 208 * 2**20, 1.62 * 2**30)] == [
+        "512 B", "3.0 KiB", "208.0 MiB", "1.6 GiB"]
+
+
+# ---------------------------------------------------------------------------- forwards
+
+
+def offloaded(ref, **kwargs):
+    return codegen.nn.offload(copy.deepcopy(ref), device="cpu", **kwargs)
+
+
+@pytest.mark.parametrize("staging, copy_size", [(None, None), (20000, 4096), ("12KiB", None)])
+def test_forwards_and_generate_match_the_original(staging, copy_size):
+    ref = tiny_llama(seed=3)
+    model = offloaded(ref, staging=staging, copy_size=copy_size)
+    ids = torch.randint(0, 97, (2, 9))
+    with torch.no_grad():
+        for _ in range(3):  # the second and third forwards read what the first queued
+            torch.testing.assert_close(model(ids).logits, ref(ids).logits, rtol=1e-5,
+                                       atol=1e-5)
+    r = codegen.nn.report(model)
+    assert r.unplanned_calls == 0 and r.linears == 15
+    assert r.copies == sum(1 for s in r.plan.spans)
+    assert r.staging_bytes == r.plan.ring_bytes
+    ids = torch.randint(0, 97, (1, 6))
+    mask = torch.ones_like(ids)
+    assert torch.equal(
+        model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False),
+        ref.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False))
+
+
+def test_the_default_staging_is_half_the_largest_layer():
+    ref = tiny_llama()
+    model = offloaded(ref)
+    layer = sum(m.weight.numel() * 4 for m in ref.model.layers[0].modules()
+                if isinstance(m, nn.Linear))
+    plan = model._codegen_offload.streamer.plan
+    assert layer // 2 <= plan.ring_bytes <= layer // 2 + plan.copy_bytes + 64 * 4 + 2 * ALIGN
+    assert len(plan.spans) > 1
+
+
+def test_biases_travel_in_one_block():
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(40, 64), nn.ReLU(), nn.Linear(64, 48), nn.ReLU(),
+                        nn.Linear(48, 8, bias=False), nn.Linear(8, 24))
+    model = offloaded(ref, staging=9000, copy_size=4096)
+    plan = model._codegen_offload.streamer.plan
+    assert plan.spans[0].is_bias_block and plan.bias_bytes >= (64 + 48 + 24) * 4
+    check_plan(plan, plan.layouts)
+    x = torch.randn(5, 40)
+    with torch.no_grad():
+        for _ in range(3):
+            torch.testing.assert_close(model(x), ref(x))
+
+
+class Reordered(nn.Module):
+    """Registers its Linears in one order and calls them in another, conditionally."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(1)
+        self.a, self.b, self.c = nn.Linear(32, 32), nn.Linear(32, 32), nn.Linear(32, 32)
+        self.skip_b = False
+
+    def forward(self, x):
+        x = self.c(x)
+        if not self.skip_b:
+            x = self.b(x)
+        return self.a(x)
+
+
+def test_a_new_call_order_is_learnt_after_one_forward():
+    ref = Reordered()
+    model = offloaded(ref, staging=9000, copy_size=4096)
+    x = torch.randn(3, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), ref(x))
+        assert codegen.nn.report(model).unplanned_calls == 3  # off the plan from the start
+        for _ in range(2):
+            torch.testing.assert_close(model(x), ref(x))
+            assert codegen.nn.report(model).unplanned_calls == 0
+        model.skip_b = ref.skip_b = True  # the order changes again
+        torch.testing.assert_close(model(x), ref(x))
+        assert codegen.nn.report(model).unplanned_calls == 1
+        torch.testing.assert_close(model(x), ref(x))
+        assert codegen.nn.report(model).unplanned_calls == 0
+    assert model._codegen_offload.streamer.plan.order == (2, 0)
+
+
+def test_a_forward_that_raises_halfway_leaves_the_next_one_right():
+    ref = tiny_llama(seed=2)
+    model = offloaded(ref, staging=20000, copy_size=4096)
+    ids = torch.randint(0, 97, (1, 5))
+    with torch.no_grad():
+        model(ids)
+        boom = model.model.layers[1].mlp.register_forward_pre_hook(
+            lambda *a: (_ for _ in ()).throw(RuntimeError("boom")))
+        with pytest.raises(RuntimeError, match="boom"):
+            model(ids)
+        boom.remove()
+        torch.testing.assert_close(model(ids).logits, ref(ids).logits, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(model(ids).logits, ref(ids).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_a_weight_written_in_place_between_forwards_is_read_new():
+    """The next forward's first spans were copied when the last forward ended; a weight
+    written since (its version counter moved) has them copied again."""
+    ref = tiny_llama(seed=4)
+    model = offloaded(ref, staging=20000, copy_size=4096)
+    ids = torch.randint(0, 97, (1, 5))
+    with torch.no_grad():
+        model(ids)
+        for m, r in ((model.model.layers[0].self_attn.q_proj,
+                      ref.model.layers[0].self_attn.q_proj), (model.lm_head, ref.lm_head)):
+            m.weight.mul_(-1)
+            r.weight.mul_(-1)
+        torch.testing.assert_close(model(ids).logits, ref(ids).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_a_second_threads_forward_runs_off_the_plan_and_right():
+    ref = tiny_llama(seed=5)
+    model = offloaded(ref, staging=20000, copy_size=4096)
+    ids = torch.randint(0, 97, (1, 5))
+    with torch.no_grad():
+        expect = ref(ids).logits
+        model(ids)
+    results, inside = [], threading.Event()
+    release = threading.Event()
+
+    def hold(*args):  # the main thread's forward waits here, inside its forward
+        inside.set()
+        release.wait(30)
+
+    hook = model.model.layers[1].register_forward_pre_hook(hold)
+
+    def other():
+        inside.wait(30)
+        with torch.no_grad():
+            results.append(model(ids).logits)
+        release.set()
+
+    t = threading.Thread(target=other)
+    t.start()
+    with torch.no_grad():
+        first = model(ids).logits
+    t.join()
+    hook.remove()
+    torch.testing.assert_close(first, expect, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(results[0], expect, rtol=1e-5, atol=1e-5)
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, expect, rtol=1e-5, atol=1e-5)
+
+
+def test_gradients_take_the_compiled_programs():
+    ref = tiny_llama(seed=6)
+    model = offloaded(ref, staging=20000, copy_size=4096)
+    ids = torch.randint(0, 97, (1, 5))
+    model(ids).logits.sum().backward()
+    ref(ids).logits.sum().backward()
+    torch.testing.assert_close(model.lm_head.weight.grad, ref.lm_head.weight.grad,
+                               rtol=1e-4, atol=1e-5)
+    # The programs copy each weight in slices (8, the default), not by the copy plan.
+    r = codegen.nn.report(model)
+    assert r.copies == 15 * 8 and r.unplanned_calls == 0
+
+
+def test_a_copy_without_its_waits_is_caught(monkeypatch):
+    """The CPU backend's order check is what the tests above rely on: a plan whose copies
+    do not wait for the readers of the bytes they overwrite is caught at the first such
+    copy."""
+    import dataclasses
+
+    from codegen.nn import streamer as streamer_module
+
+    ref = tiny_llama(seed=7)
+    model = offloaded(ref, staging=20000, copy_size=4096)
+    s = model._codegen_offload.streamer
+    s.plan = dataclasses.replace(s.plan, spans=tuple(
+        dataclasses.replace(span, waits=()) for span in s.plan.spans))
+    s._set_plan(s.plan)
+    ids = torch.randint(0, 97, (1, 5))
+    with pytest.raises(codegen.InternalError, match="staging order: .* not ordered after"), \
+            torch.no_grad():
+        model(ids)
+    assert streamer_module.OrderCheck  # the checker the message comes from
+
+
+def test_a_read_before_its_copy_is_caught():
+    from codegen.nn.streamer import OrderCheck
+
+    check = OrderCheck()
+    check.access("copy", "ring", 0, 100, write=True)
+    with pytest.raises(codegen.InternalError, match="read of ring\\[50:60\\] on current is not "
+                                                    "ordered after the copy"):
+        check.access("current", "ring", 50, 60, write=False)
+    check.wait("current", check.record("copy"))
+    check.access("current", "ring", 50, 60, write=False)
