@@ -16,6 +16,8 @@ changes a model in place):
 - codegen_noprefetch: the same with ``prefetch=False`` (each call stages its own slices;
   only where offload() takes ``prefetch``);
 - codegen_s<N> (any N, e.g. codegen_s4): codegen with ``slices=N``;
+- codegen_c<N> (any N, e.g. codegen_c64): codegen with copies of N MiB
+  (``copy_size=N * 2**20``) instead of the default;
 - accelerate: ``accelerate.cpu_offload`` of each decoder layer (its hooks copy each weight
   from pageable host memory when the layer runs), where accelerate is installed;
 - prefetch: a hand-written layer prefetch in PyTorch (``LayerPrefetch``): two GPU buffer
@@ -30,16 +32,21 @@ one token after a 512-token prompt, with a KV cache (``DecodeStep``: a ``Dynamic
 each call eager), for codegen, prefetch, gpu and copy. Where codegen is timed, the decode
 step also has the row
 
-- codegen_graph: codegen's model (the same arena) decoding the same token at the same
-  position from a CUDA graph, replayed per call (``GraphDecodeStep``). A graph needs a
-  ``StaticCache`` (``codegen.nn.StaticDecodeStep``: keys and values preallocated
-  for prompt + 1 positions and written in place, so the attention reads as many
-  positions as the eager step's) and captures offload()'s per-call staging (the staging
-  ring's copies run ahead across calls, which a graph cannot capture). Next to codegen
-  it shows a decode step without host launches, but also without the prefetch across
-  Linears. The eager rows keep generation's ``DynamicCache``: its concatenation of the
-  513 positions' keys and values (about 8 MiB a step) is small beside the weights'
-  copies.
+- codegen_graph: a model offloaded as codegen's (an arena and staging of its own: an
+  eager forward of a model that has been captured joins its copies at its end, so that a
+  replay after it finds the next forward's first spans in place) decoding the same token
+  at the same position from a CUDA graph, replayed per call (``GraphDecodeStep``). A
+  graph needs a ``StaticCache`` (``codegen.nn.StaticDecodeStep``: keys and values
+  preallocated for prompt + 1 positions and written in place, so the attention reads as
+  many positions as the eager step's). The graph holds the copy plan of an eager forward,
+  the next forward's first spans included, so replays stream back to back. The eager
+  rows keep generation's ``DynamicCache``: its concatenation of the 513 positions' keys
+  and values (about 8 MiB a step) is small beside the weights' copies.
+
+``--generate N`` adds the generate step: greedy ``generate`` of N new tokens after the
+512-token prompt (a ``DynamicCache``, the host reading each token between steps), for
+codegen, prefetch and gpu; ms per token is the difference between generating N + 1 and
+1 tokens (the prompt's prefill), over N, and the copy floor's row is one forward's copy.
 
 Each step times its variants in rounds after a warm-up, every variant once per round in
 a rotated order, the device synchronized before each block (a variant's side-stream
@@ -98,6 +105,7 @@ from benchmarks.common import (
     median_ratio,
     peak_mib,
     reps_for,
+    rotated,
     run_rounds,
     warm_up,
 )
@@ -434,9 +442,11 @@ def make(name: str, config: Any, shapes: list[list[tuple[int, ...]]]) -> Variant
     model = build(config)
     if name == "gpu":
         return Variant(name, model)
-    if name == "codegen" or _slices(name):
-        return Variant(name, codegen.nn.offload(model, slices=_slices(name) or 8,
-                                                filter=is_decoder_linear))
+    if name == "codegen" or _slices(name) or _copy_mib(name) or name in GRAPHED:
+        copy_mib = _copy_mib(name)
+        return Variant(name, codegen.nn.offload(
+            model, slices=_slices(name) or 8, filter=is_decoder_linear,
+            copy_size=copy_mib * 2**20 if copy_mib else None))
     if name == "codegen_noprefetch":
         return Variant(name, codegen.nn.offload(model, slices=8, filter=is_decoder_linear,
                                                 prefetch=False))
@@ -456,6 +466,17 @@ def _slices(name: str) -> int | None:
     """N of a ``codegen_s<N>`` variant, else None."""
     found = re.fullmatch(r"codegen_s([1-9][0-9]*)", name)
     return int(found.group(1)) if found else None
+
+
+def _copy_mib(name: str) -> int | None:
+    """N of a ``codegen_c<N>`` variant (copies of N MiB), else None."""
+    found = re.fullmatch(r"codegen_c([1-9][0-9]*)", name)
+    return int(found.group(1)) if found else None
+
+
+def _codegen(name: str) -> bool:
+    """Whether variant ``name`` is a model offloaded by codegen."""
+    return name.startswith("codegen")
 
 
 def set_up(name: str, config: Any, shapes: list[list[tuple[int, ...]]], ids: torch.Tensor,
@@ -480,7 +501,7 @@ def set_up(name: str, config: Any, shapes: list[list[tuple[int, ...]]], ids: tor
     torch.cuda.synchronize()
     v.held_bytes = max(0, torch.cuda.memory_allocated() - gpu0 - resident)
     v.host_bytes = pinned_host_bytes() - host0
-    if name.startswith("codegen"):  # its arena is registered, not from torch's allocator
+    if _codegen(name):  # its arena is registered, not from torch's allocator
         arena = codegen.nn.arena(v.model)
         v.host_bytes += arena.nbytes if arena.pinned else 0
     return v, logits
@@ -547,7 +568,8 @@ def rounds_for(tokens: int, rounds: int) -> int:
 
 def steps(tokens: Sequence[int], variants: Sequence[str]) -> list[tuple[int, list[str]]]:
     """Each step's token count and variants (the decode step only has DECODE_VARIANTS)."""
-    return [(t, [v for v in variants if t != 1 or v in DECODE_VARIANTS or _slices(v)])
+    return [(t, [v for v in variants
+                 if t != 1 or v in DECODE_VARIANTS or _slices(v) or _copy_mib(v)])
             for t in tokens]
 
 
@@ -573,6 +595,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                              f"{DECODE_PROMPT}-token prompt, with a KV cache)")
     parser.add_argument("--variants", default=",".join(VARIANTS),
                         help=f"comma-separated, of {', '.join(VARIANTS)}")
+    parser.add_argument("--generate", type=int, default=0, metavar="N",
+                        help="also time greedy generate of N new tokens after the "
+                             f"{DECODE_PROMPT}-token prompt (0: not)")
     parser.add_argument("--dry-run", action="store_true",
                         help="print what would run and the prefetch's buffer plan; no GPU")
     args = parser.parse_args(argv)
@@ -583,10 +608,11 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     if not args.tokens or min(args.tokens) < 1:
         parser.error("--tokens: expected positive integers")
     args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
-    unknown = [v for v in args.variants if v not in VARIANTS and not _slices(v)]
+    unknown = [v for v in args.variants
+               if v not in VARIANTS and not _slices(v) and not _copy_mib(v)]
     if unknown or not args.variants:
         parser.error(f"--variants: unknown {unknown}; expected some of {', '.join(VARIANTS)} "
-                     "or codegen_s<N>")
+                     "or codegen_s<N> or codegen_c<N>")
     if args.rounds < 1:
         parser.error("--rounds: expected a positive integer")
     return args
@@ -647,6 +673,51 @@ def set_up_all(variants: Sequence[str], config: Any, shapes: list[list[tuple[int
     return built
 
 
+GENERATE_VARIANTS = ("codegen", "prefetch", "gpu", "copy")
+
+
+def measure_generate(built: dict[str, Variant], new_tokens: int, names: Sequence[str],
+                     rounds: int, prompt: torch.Tensor) -> list[dict[str, Any]]:
+    """The generate step's rows: per round and variant, greedy ``generate`` of 1 and of
+    ``new_tokens`` + 1 tokens after ``prompt``, timed on the host around each call (it
+    reads every token); ms per token is their difference over ``new_tokens``. The copy
+    floor's row is one forward's weights copied alone (ms per call)."""
+    import time
+
+    mask = torch.ones_like(prompt)
+
+    def generate(model: Any, n: int) -> float:
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        model.generate(prompt, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
+                       do_sample=False)
+        torch.cuda.synchronize()
+        return (time.perf_counter() - start) * 1e3
+
+    variants = [v for v in names if v in GENERATE_VARIANTS]
+    for v in variants:  # warm-up: compiles, allocates the caches
+        if built[v].model is not None:
+            generate(built[v].model, 2)
+    times: dict[str, list[float]] = {v: [] for v in variants}
+    for r in range(rounds):
+        for v in rotated(variants, r):
+            if built[v].model is None:
+                floor = Block(built[v].call, 5)  # type: ignore[arg-type]
+                torch.cuda.synchronize()
+                floor.run()
+                torch.cuda.synchronize()
+                times[v].append(floor.ms())
+                continue
+            one = generate(built[v].model, 1)
+            times[v].append((generate(built[v].model, new_tokens + 1) - one) / new_tokens)
+    rows = summarize(1, times, {v: math.nan for v in variants},
+                     {v: built[v].host_bytes / 2**20 for v in variants})
+    for row in rows:
+        row.update(step="generate", tokens=new_tokens, cache="dynamic", kv_cache=True,
+                   tokens_per_s=1e3 / row["ms"])
+    return rows
+
+
 def measure(built: dict[str, Variant], tokens: int, names: Sequence[str], rounds: int,
             prompt: torch.Tensor, token: torch.Tensor, vocab: int,
             notes: list[str]) -> list[dict[str, Any]]:
@@ -661,14 +732,16 @@ def measure(built: dict[str, Variant], tokens: int, names: Sequence[str], rounds
                  for v in names}
         for row in graph_rows(tokens, names):
             v = GRAPHED[row]
-            try:
-                step = GraphDecodeStep(built[v].model, prompt, token)
+            if row not in built:
+                continue
+            try:  # a model of its own: replays between eager steps would join their copies
+                step = GraphDecodeStep(built[row].model, prompt, token)
             except Exception as e:  # the eager rows are still worth the GPU time
                 traceback.print_exc()
                 notes.append(f"FAILED: {row} could not be captured: {type(e).__name__}: {e}")
                 continue
-            calls[row], base[row] = step, v
-            kept[row] = built[v].held_bytes + step.pool_bytes
+            calls[row], base[row] = step, row
+            kept[row] = built[row].held_bytes + step.pool_bytes
             eager, replayed = calls[v]().float(), step().float()
             error = ((replayed - eager).abs().max() / eager.abs().max()).item()
             notes.append(f"{row}: replayed logits vs {v}'s eager decode step {error:.2e} "
@@ -718,7 +791,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(SEED + 1)
     prompt = torch.randint(0, config.vocab_size, (1, DECODE_PROMPT), device="cuda")
     token = torch.randint(0, config.vocab_size, (1, 1), device="cuda")
-    built = set_up_all(variants, config, shapes, prompt, notes)
+    graphed = [g for g, v in GRAPHED.items() if 1 in args.tokens and v in variants]
+    built = set_up_all([*variants, *graphed], config, shapes, prompt, notes)
     rows = []
     for tokens, names in steps(args.tokens, [v for v in variants if v in built]):
         try:
@@ -727,10 +801,20 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as e:  # keep the other steps' rows
             traceback.print_exc()
             notes.append(f"FAILED: the {tokens}-token step: {type(e).__name__}: {e}")
+    if args.generate:
+        try:
+            rows += measure_generate(built, args.generate, [v for v in variants if v in built],
+                                     max(2, args.rounds - 2), prompt)
+        except Exception as e:  # keep the other steps' rows
+            traceback.print_exc()
+            notes.append(f"FAILED: the generate step: {type(e).__name__}: {e}")
     for line in [table(rows), plan_line, *notes]:
         print(line)
     reports = {v: codegen.nn.report(built[v].model).as_dict()
-               for v in ("codegen", "codegen_noprefetch") if v in built}
+               for v in built if _codegen(v) and built[v].model is not None}
+    for v in reports:
+        print(f"{v}: {codegen.nn.report(built[v].model).plan.summary()}"
+              if codegen.nn.report(built[v].model).plan else v)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "offload_llama.json").write_text(json.dumps({
         "date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name(),

@@ -74,7 +74,8 @@ def test_a_one_token_forward_is_captured_and_replayed(cache_dir):
     assert torch.equal(out, expect)
 
 
-def test_a_static_cache_decode_step_is_captured_and_replayed(cache_dir):
+@pytest.mark.parametrize("staging", [None, "64KiB"])
+def test_a_static_cache_decode_step_is_captured_and_replayed(staging, cache_dir):
     """One decode step captured, then replayed at successive positions (the static token
     and position rewritten in place between replays): each replay's logits are those of
     the eager step of the same model over a fresh cache, bit for bit (fp32 without TF32:
@@ -84,7 +85,8 @@ def test_a_static_cache_decode_step_is_captured_and_replayed(cache_dir):
 
     torch.backends.cuda.matmul.allow_tf32 = False
     ref = tiny_llama(torch.float32)
-    model = codegen.nn.offload(copy.deepcopy(ref), slices=2)
+    model = codegen.nn.offload(copy.deepcopy(ref), slices=2, staging=staging,
+                               copy_size="16KiB" if staging else None)
     ref = ref.cuda()
     prompt = torch.randint(0, 101, (1, 9), device="cuda")
     tokens = torch.randint(0, 101, (1, 4), device="cuda")
@@ -114,3 +116,70 @@ def test_a_static_cache_decode_step_is_captured_and_replayed(cache_dir):
     assert torch.equal(got, expect)
     err = ((got - resident).norm() / resident.norm()).item()
     assert err < 1e-5, err
+
+
+def test_streamed_forwards_under_a_small_ring_match_the_gpu_model(cache_dir):
+    """Copies that wrap a small ring many times a forward, queued ahead of GEMM pieces,
+    forwards back to back without a host synchronization: each forward's logits are the
+    GPU-resident model's (fp32 without TF32), and the report counts the plan."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    ref = tiny_llama(torch.float32, seed=3)
+    model = codegen.nn.offload(copy.deepcopy(ref), staging="96KiB", copy_size="16KiB")
+    ref = ref.cuda()
+    ids = [torch.randint(0, 101, (2, 17), device="cuda") for _ in range(6)]
+    with torch.no_grad():
+        got = [model(i, use_cache=False).logits for i in ids]
+        expect = [ref(i, use_cache=False).logits for i in ids]
+    for g, e in zip(got, expect):
+        torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5)
+    r = codegen.nn.report(model)
+    assert r.unplanned_calls == 0 and r.copies == len(r.plan.spans) > 15
+    assert r.staging_bytes == 96 * 1024 and 0 <= r.exposed_copy_ms <= r.forward_ms
+
+
+def test_the_staging_bounds_what_offloaded_weights_take_on_the_gpu(cache_dir):
+    """GPU memory: the staging ring (and the bias block) beyond the resident part of the
+    model, and a forward's peak above it no more than the GPU-resident model's forward's
+    peak above its weights."""
+    ref = tiny_llama(torch.bfloat16, seed=4)
+    offloaded_bytes = sum(m.weight.numel() * 2 for m in ref.modules() if isinstance(m, nn.Linear))
+    kept = sum(p.numel() * 2 for p in ref.parameters()) - offloaded_bytes
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    model = codegen.nn.offload(copy.deepcopy(ref), staging="48KiB", copy_size="8KiB")
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() - before <= kept + 48 * 1024 + 2 * 4096
+    ids = torch.randint(0, 101, (1, 33), device="cuda")
+
+    def peak(m):
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        with torch.no_grad():
+            m(ids, use_cache=False)
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - base
+
+    peak(model)
+    ref = ref.cuda()
+    assert peak(model) <= peak(ref) + 64 * 1024
+
+
+def test_a_weight_written_on_the_gpu_between_forwards_is_read_new(cache_dir):
+    """The next forward's first spans are copied when a forward ends; a weight written
+    since by a non-blocking copy from the GPU (queued on the caller's stream) is copied
+    again after that write."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    ref = tiny_llama(torch.float32, seed=5)
+    model = codegen.nn.offload(copy.deepcopy(ref), staging="64KiB", copy_size="16KiB")
+    ref = ref.cuda()
+    ids = torch.randint(0, 101, (1, 9), device="cuda")
+    with torch.no_grad():
+        model(ids, use_cache=False)
+        new = torch.randn_like(ref.model.layers[0].self_attn.q_proj.weight)
+        torch.cuda._sleep(50_000_000)  # the copy below lands well after the host moves on
+        model.model.layers[0].self_attn.q_proj.weight.copy_(new, non_blocking=True)
+        ref.model.layers[0].self_attn.q_proj.weight.copy_(new)
+        got = model(ids, use_cache=False).logits
+        torch.testing.assert_close(got, ref(ids, use_cache=False).logits, rtol=1e-5,
+                                   atol=1e-5)

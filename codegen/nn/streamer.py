@@ -220,6 +220,8 @@ class Streamer:
         self.plan = plan
         self.copied = [self.backend.event() for _ in range(n)]
         self.freed = [self.backend.event() for _ in range(n)]
+        for event in (*self.copied, *self.freed):  # created now, not first inside a capture
+            self.backend.record(event, self.backend.copy_stream)
         self.freed_lap = [-1] * n
         self.lap = 0  # the lap the next call reads
         self.cursor = 0  # the next call's position in the plan
