@@ -1,36 +1,62 @@
 """Where does the copy engine wait in a forward of the offloaded 4-layer Llama?
 
-Traces three forwards back to back (512 tokens, S = 8, with and without prefetch) with the
-profiler and takes the host-to-device copies in start order: their total time, the
-copy-engine time between the first and the last, the idle gaps between consecutive
-copies (total, count over 20 µs) and the largest ones with the copies around them
-(their sizes in MB), so the time beyond the copy floor can be assigned to copies waiting.
+Traces three forwards back to back (prefills of ``--tokens``) of the model offloaded with
+each ``--configs`` entry (``default``, ``staging=<size>``, ``copy=<size>``, or both
+joined by ``+``) with the profiler and takes the host-to-device copies in start order:
+their total time, the copy-engine time between the first and the last, the idle gaps
+between consecutive copies (total, count over 20 µs) and the largest ones with the
+kernels that started in them; then, untraced, the GPU time of a forward, the host time
+to queue one, and the report's time the compute waited for copies. The time beyond the
+copy floor is then either copies waiting (gaps) or compute after the last copy.
 
-    python -m benchmarks.probes.offload_copy_gaps
+    python -m benchmarks.probes.offload_copy_gaps [--tokens 4096] [--configs default,...]
 """
 
 from __future__ import annotations
 
+import argparse
+import time
+
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from benchmarks.probes.offload_host_cost import llama
+import codegen.nn
+from benchmarks.common import build, is_decoder_linear, llama_config
+
+
+def offloaded(config: str) -> torch.nn.Module:
+    """The benchmark's model offloaded with ``config``'s keywords."""
+    kwargs = {}
+    for part in config.split("+"):
+        if part != "default":
+            key, value = part.split("=")
+            kwargs[{"staging": "staging", "copy": "copy_size"}[key]] = value
+    return codegen.nn.offload(build(llama_config()), filter=is_decoder_linear, **kwargs)
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.probes.offload_copy_gaps")
+    parser.add_argument("--tokens", type=int, default=4096)
+    parser.add_argument("--configs", default="default,staging=1700MiB,copy=64MiB")
+    args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("offload_copy_gaps needs a CUDA GPU")
-    ids = torch.randint(0, 32000, (1, 512), device="cuda")
-    for prefetch in (True, False):
-        model = llama(prefetch)
+    ids = torch.randint(0, 32000, (1, args.tokens), device="cuda")
+    for config in args.configs.split(","):
+        model = offloaded(config)
         with torch.no_grad():
             for _ in range(2):
-                model(ids)
+                model(ids, use_cache=False)
             torch.cuda.synchronize()
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
                 for _ in range(3):
-                    model(ids)
+                    model(ids, use_cache=False)
                 torch.cuda.synchronize()
+            start = time.perf_counter()
+            model(ids, use_cache=False)
+            host_ms = (time.perf_counter() - start) * 1e3
+            torch.cuda.synchronize()
+        r = codegen.nn.report(model)
         copies = sorted((e for e in prof.events() if "HtoD" in e.name),
                         key=lambda e: e.time_range.start)
         kernels = sorted((e for e in prof.events() if e.device_type.name == "CUDA"
@@ -39,18 +65,21 @@ def main() -> None:
         span = copies[-1].time_range.end - copies[0].time_range.start
         gaps = []
         for a, b in zip(copies, copies[1:]):
-            gap = b.time_range.start - max(a.time_range.end, 0)
+            gap = b.time_range.start - a.time_range.end
             if gap > 0:
                 gaps.append((gap, a, b))
-        print(f"prefetch={prefetch}: {len(copies)} copies, busy {busy / 1e3:.2f} ms over a "
-              f"span of {span / 1e3:.2f} ms; gaps {sum(g for g, _, _ in gaps) / 1e3:.2f} ms "
-              f"in total, {sum(g > 20 for g, _, _ in gaps)} over 20 µs")
-        for gap, a, b in sorted(gaps, key=lambda g: -g[0])[:12]:
-            between = [k.name[:40] for k in kernels
-                       if a.time_range.end <= k.time_range.start < b.time_range.start][:4]
-            print(f"  {gap:7.0f} µs after a copy of {a.time_range.elapsed_us():.0f} µs, "
-                  f"before one of {b.time_range.elapsed_us():.0f} µs; kernels starting "
-                  f"then: {between}")
+        print(f"{config}, {args.tokens} tokens: forward {r.forward_ms:.2f} ms (floor "
+              f"{r.copy_floor_ms:.2f}), host queues it in {host_ms:.2f} ms, compute waited "
+              f"{r.exposed_copy_ms:.2f} ms for copies; {r.copies} copies, staging "
+              f"{r.staging_bytes / 2**20:.0f} MiB")
+        print(f"  traced: {len(copies)} copies, busy {busy / 1e3:.2f} ms over a span of "
+              f"{span / 1e3:.2f} ms; gaps {sum(g for g, _, _ in gaps) / 1e3:.2f} ms in "
+              f"total, {sum(g > 20 for g, _, _ in gaps)} over 20 µs")
+        for gap, a, b in sorted(gaps, key=lambda g: -g[0])[:8]:
+            between = [k.name[:50] for k in kernels
+                       if a.time_range.end <= k.time_range.start < b.time_range.start][:3]
+            print(f"  {gap:7.0f} µs after a copy of {a.time_range.elapsed_us():.0f} µs; "
+                  f"kernels starting then: {between}")
         del model
         torch.cuda.empty_cache()
 
