@@ -73,7 +73,22 @@ def test_filter_narrows_and_the_report_counts_what_ran():
     assert r.linears == 2 and r.bytes_moved == 2 * down.weight.numel() * 4
     assert set(r.as_dict()) == {"linears", "bytes_moved", "forward_ms", "gbps", "copy_floor_ms",
                                 "copy_gbps", "floor_share", "beyond_floor_ms"}
-    assert "2 Linear calls read 0.000 GB" in r.line()
+    assert "2 Linear calls read 81.920 KB of host weights" in r.line()  # 2 * 64 * 160 * 4 B
+
+
+@pytest.mark.parametrize("nbytes, text", [(0, "0 B"), (512, "512 B"), (2048, "2.048 KB"),
+                                          (3_500_000, "3.500 MB"), (1_620_000_000, "1.620 GB")])
+def test_the_report_line_gives_bytes_in_a_unit_that_fits(nbytes, text):
+    """A tiny model's report reads in bytes or KB, not "0.000 GB"; decimal units, as the
+    line's GB/s are."""
+    cpu = codegen.nn.Report(linears=3, bytes_moved=nbytes, forward_ms=1.5, gbps=float("nan"),
+                            copy_floor_ms=float("nan"), copy_gbps=0.0,
+                            floor_share=float("nan"), beyond_floor_ms=float("nan"))
+    assert f"3 Linear calls read {text} of host weights in 1.50 ms" in cpu.line()
+    gpu = codegen.nn.Report(linears=3, bytes_moved=nbytes, forward_ms=2.0, gbps=1.0,
+                            copy_floor_ms=1.0, copy_gbps=50.0, floor_share=0.5,
+                            beyond_floor_ms=1.0)
+    assert f"3 Linear calls moved {text} in 2.00 ms" in gpu.line()
 
 
 def test_bad_arguments():

@@ -109,6 +109,14 @@ def _pin(storage: torch.Tensor) -> bool:
     return True
 
 
+def _size(nbytes: int) -> str:
+    """``nbytes`` in the unit that fits it, decimal like the line's GB/s: B, KB, MB or GB."""
+    for unit, scale in (("GB", 10**9), ("MB", 10**6), ("KB", 10**3)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.3f} {unit}"
+    return f"{nbytes} B"
+
+
 @dataclasses.dataclass
 class Report:
     """What one forward of an offloaded model moved, and how close to the copy floor it ran.
@@ -129,10 +137,10 @@ class Report:
     def line(self) -> str:
         if math.isnan(self.copy_floor_ms):  # the evaluator on the CPU: nothing is copied
             return (f"codegen.nn.offload: {self.linears} Linear calls read "
-                    f"{self.bytes_moved / 1e9:.3f} GB of host weights in "
+                    f"{_size(self.bytes_moved)} of host weights in "
                     f"{self.forward_ms:.2f} ms (on the CPU: no copy floor)")
         return (f"codegen.nn.offload: {self.linears} Linear calls moved "
-                f"{self.bytes_moved / 1e9:.3f} GB in {self.forward_ms:.2f} ms "
+                f"{_size(self.bytes_moved)} in {self.forward_ms:.2f} ms "
                 f"({self.gbps:.1f} GB/s); copy floor {self.copy_floor_ms:.2f} ms at "
                 f"{self.copy_gbps:.1f} GB/s: {100 * self.floor_share:.0f}% of it, "
                 f"{self.beyond_floor_ms:.2f} ms beyond")
