@@ -108,6 +108,24 @@ def test_bad_arguments():
         lin(torch.zeros(2, 4, dtype=torch.float64))
 
 
+def test_slices_and_pool_size_take_any_integer_type():
+    """A numpy integer (a size computed with numpy) is an integer like an int; a bool is
+    not."""
+    np = pytest.importorskip("numpy")
+    ref = _mlp()
+    model = offloaded(ref, slices=np.int64(2), pool_size=np.int32(3))
+    state = model._codegen_offload
+    assert (state.slices, state.pool_size) == (2, 3)
+    assert type(state.slices) is int and type(state.pool_size) is int
+    x = torch.randn(3, 6)
+    torch.testing.assert_close(model(x), ref(x))
+    for bad in (True, np.bool_(True), 2.0):
+        with pytest.raises(codegen.ScheduleError, match="slices must be an int >= 1"):
+            offloaded(_mlp(), slices=bad)
+        with pytest.raises(codegen.ScheduleError, match="pool_size must be an int >= 1"):
+            offloaded(_mlp(), pool_size=bad)
+
+
 def test_linear_subclasses_attention_and_tied_linears_stay():
     """Exactly nn.Linear is offloaded: a subclass keeps its own forward, the Linear inside
     nn.MultiheadAttention (whose weight attention reads itself) stays, and two Linears

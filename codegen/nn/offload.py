@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 import time
 import types
 import weakref
@@ -359,6 +360,15 @@ def _measure_copy_gbps(arena: Arena, device: torch.device) -> float:
     return n / (best * 1e6)
 
 
+def _integer(value: Any, otherwise: Any = None) -> Any:
+    """``value`` as an int where it is an integer of any type (numpy's included: a size
+    computed with numpy) other than a bool, else ``otherwise``. The programs take plain
+    ints (their digests have no form for numpy's)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        return otherwise
+    return int(value)
+
+
 def offload(model: nn.Module, slices: int = 8, *, filter: Filter | None = None,  # noqa: A002
             device: str | torch.device = "cuda", pool_size: int = 4, prefetch: bool = True,
             verbose: bool = False) -> nn.Module:
@@ -377,8 +387,10 @@ def offload(model: nn.Module, slices: int = 8, *, filter: Filter | None = None, 
     :func:`report` returns it."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"codegen.nn.offload expects an nn.Module, got {type(model).__name__}")
-    if isinstance(slices, bool) or not isinstance(slices, int) or slices < 1:
+    if _integer(slices) is None or slices < 1:
         raise ScheduleError(f"codegen.nn.offload: slices must be an int >= 1, got {slices!r}")
+    slices = int(slices)
+    pool_size = _integer(pool_size, pool_size)
     check_pool_size("codegen.nn.offload", pool_size)
     if not isinstance(prefetch, bool):
         raise TypeError(f"codegen.nn.offload: prefetch must be True or False, got {prefetch!r}")
