@@ -108,6 +108,16 @@ def test_bad_arguments():
         lin(torch.zeros(2, 4, dtype=torch.float64))
 
 
+def test_a_bias_in_another_dtype_than_its_weight_is_refused_by_name():
+    model = nn.Sequential(nn.Linear(6, 4), nn.ReLU(), nn.Linear(4, 3))
+    model[2].bias.data = model[2].bias.data.to(torch.bfloat16)
+    with pytest.raises(ValueError, match=r"codegen.nn.offload: 2.bias is torch.bfloat16, and an "
+                                         r"offloaded Linear needs it in its weight's dtype "
+                                         r"\(torch.float32\); convert it before offloading"):
+        codegen.nn.offload(model, device="cpu")
+    assert not any(isinstance(m, codegen.nn.OffloadedLinear) for m in model.modules())
+
+
 def test_slices_and_pool_size_take_any_integer_type():
     """A numpy integer (a size computed with numpy) is an integer like an int; a bool is
     not."""

@@ -445,6 +445,13 @@ def offload(model: nn.Module, slices: int = 8, *, filter: Filter | None = None, 
         if m.weight.dtype not in ir.DTYPE_NAMES:
             raise ValueError(f"codegen.nn.offload: {n}.weight is {m.weight.dtype}; offloaded "
                              f"weights must be one of {', '.join(ir.DTYPE_NAMES.values())}")
+        if m.bias is not None and m.bias.dtype != m.weight.dtype:
+            # The program reads the bias in the weight's dtype: refused here, not at every
+            # forward by the program's own argument check.
+            raise ValueError(f"codegen.nn.offload: {n}.bias is {m.bias.dtype}, and an offloaded "
+                             f"Linear needs it in its weight's dtype ({m.weight.dtype}); convert "
+                             f"it before offloading ({n}.bias.data = {n}.bias.data.to("
+                             f"{m.weight.dtype})), or leave {n} out with filter=")
     total = sum(-(-t.numel() * t.element_size() // ALIGN) * ALIGN
                 for _, m in chosen for t in (m.weight, m.bias) if t is not None)
     arena = Arena(torch.empty(total, dtype=torch.uint8), pinned=False)
