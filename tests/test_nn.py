@@ -162,6 +162,40 @@ def test_linear_subclasses_attention_and_tied_linears_stay():
                            filter=lambda name, m: name == "a")
 
 
+def test_weights_tied_by_their_memory_stay_tied():
+    """Two Parameters over one storage (``nn.Parameter(a.weight.data)``) or overlapping
+    bytes of it are shared, as one Parameter held twice is: left resident, still sharing
+    their memory, and refused by name where a filter picks one. Disjoint views of one
+    storage share nothing, and are offloaded."""
+    a, b = nn.Linear(8, 8), nn.Linear(8, 8)
+    b.weight = nn.Parameter(a.weight.data)
+    flat = torch.randn(20, 8)
+    c, d = nn.Linear(8, 8), nn.Linear(8, 8)
+    c.weight, d.weight = nn.Parameter(flat[:8]), nn.Parameter(flat[4:12])  # rows 4-7 both
+    e, f = nn.Linear(8, 4), nn.Linear(8, 4)
+    e.weight, f.weight = nn.Parameter(flat[12:16]), nn.Parameter(flat[16:20])  # disjoint
+    g, h = nn.Linear(8, 8), nn.Linear(8, 8)
+    h.bias = g.bias  # a shared bias alone keeps both resident too
+    model = nn.ModuleDict({"a": a, "b": b, "c": c, "d": d, "e": e, "f": f, "g": g, "h": h})
+    codegen.nn.offload(model, device="cpu")
+    kept = [n for n, m in model.named_modules() if isinstance(m, codegen.nn.OffloadedLinear)]
+    assert kept == ["e", "f"]
+    assert a.weight.data_ptr() == b.weight.data_ptr()
+    assert d.weight.data_ptr() == c.weight.data_ptr() + 4 * 8 * 4
+    with torch.no_grad():
+        a.weight[0, 0] = 7.0
+    assert b.weight[0, 0] == 7.0
+    for name, other in (("a", "b"), ("b", "a"), ("c", "d"), ("d", "c")):
+        linears = {"a": nn.Linear(8, 8), "b": nn.Linear(8, 8), "c": nn.Linear(8, 8),
+                   "d": nn.Linear(8, 8)}
+        linears["b"].weight = nn.Parameter(linears["a"].weight.data)
+        linears["d"].weight = nn.Parameter(linears["c"].weight.data[2:])
+        with pytest.raises(ValueError, match=rf"{name}.weight is shared with another module "
+                                             rf"\({other}.weight: .*leave {name} out with"):
+            codegen.nn.offload(nn.ModuleDict(linears), device="cpu",
+                               filter=lambda n, m, name=name: n == name)
+
+
 def test_an_offloaded_model_refuses_a_deep_copy_by_name():
     model = codegen.nn.offload(nn.Sequential(nn.Linear(8, 4)), slices=2, device="cpu")
     with pytest.raises(ValueError, match=r"codegen.nn.offload: an offloaded model cannot be "

@@ -333,13 +333,47 @@ def _checked_apply(module: nn.Module, fn: Callable[[torch.Tensor], torch.Tensor]
                 m._check_conversion(fn)
     return type(module)._apply(module, fn, recurse)
 
-def _shared_parameters(model: nn.Module) -> set[int]:
-    """Parameters that two or more modules hold (a tied embedding, two tied Linears)."""
-    seen: dict[int, int] = {}
-    for m in model.modules():
-        for p in m.parameters(recurse=False):
-            seen[id(p)] = seen.get(id(p), 0) + 1
-    return {k for k, count in seen.items() if count > 1}
+def _bytes_of(t: torch.Tensor) -> tuple[str, int, int] | None:
+    """The device and the byte range ``[start, end)`` that ``t``'s elements span, or None
+    where it has no bytes to share (empty, on the meta device, not strided)."""
+    if t.numel() == 0 or t.is_meta or t.layout != torch.strided:
+        return None
+    start = t.data_ptr()
+    last = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
+    return str(t.device), start, start + (last + 1) * t.element_size()
+
+
+def _shared_parameters(model: nn.Module) -> dict[int, list[str]]:
+    """The parameters (and buffers) that offloading one of would untie, each with the names
+    of those it is shared with (its own included): one that two or more modules hold (a
+    tied embedding, two tied Linears), and tensors whose bytes overlap
+    (``b.weight = nn.Parameter(a.weight.data)``: two Parameters over one storage), found
+    by the bytes they span, not by identity. Disjoint views of one storage share nothing."""
+    names: dict[int, list[str]] = {}
+    spans: list[tuple[str, int, int, int]] = []
+    for prefix, m in model.named_modules():
+        for key, t in [*m._parameters.items(), *m._buffers.items()]:
+            if t is None:
+                continue
+            if id(t) not in names:
+                names[id(t)] = []
+                span = _bytes_of(t)
+                if span is not None:
+                    spans.append((*span, id(t)))
+            names[id(t)].append(f"{prefix}.{key}" if prefix else key)
+    linked: dict[int, set[int]] = {k: set() for k in names}
+    spans.sort()
+    active: list[tuple[int, int]] = []  # (end, tensor) of the spans begun before this one
+    for i, (device, start, end, k) in enumerate(spans):
+        if i > 0 and spans[i - 1][0] != device:
+            active = []
+        active = [(e, j) for e, j in active if e > start]  # those still open overlap it
+        for _, j in active:
+            linked[k].add(j)
+            linked[j].add(k)
+        active.append((end, k))
+    return {k: names[k] + [n for j in sorted(linked[k]) for n in names[j]]
+            for k in names if len(names[k]) > 1 or linked[k]}
 
 
 def _measure_copy_gbps(arena: Arena, device: torch.device) -> float:
@@ -377,7 +411,8 @@ def offload(model: nn.Module, slices: int = 8, *, filter: Filter | None = None, 
 
     ``slices``: stream slices of each weight (its output features); ``pool_size``: worker
     streams (and staging slots); ``filter(name, linear)`` says which Linears to offload
-    (default: every one whose weight no other module shares, e.g. not a tied lm_head);
+    (default: every one whose weight and bias share no memory with another module's,
+    e.g. not a tied lm_head);
     ``device="cpu"`` runs every offloaded Linear through the evaluator on the CPU (the
     reference semantics, for tests). ``prefetch`` (the default) stages the weights' slices
     in the thread's staging ring, whose copies run ahead of the caller's stream: the
@@ -418,7 +453,8 @@ def offload(model: nn.Module, slices: int = 8, *, filter: Filter | None = None, 
     shared = _shared_parameters(model)
     chosen = [(n, m) for n, m in candidates
               if (filter(n, m) if filter is not None else
-                  type(m) is nn.Linear and id(m.weight) not in shared)]
+                  type(m) is nn.Linear and id(m.weight) not in shared
+                  and (m.bias is None or id(m.bias) not in shared))]
     if not chosen:
         conv1d = any(type(m).__name__ == "Conv1D" for m in model.modules())
         raise ValueError(
@@ -433,9 +469,14 @@ def offload(model: nn.Module, slices: int = 8, *, filter: Filter | None = None, 
             raise ValueError(f"codegen.nn.offload: {n} is a {type(m).__name__}, not an "
                              "nn.Linear: its forward (or the module that reads its weight) "
                              "would not run the offloaded program; leave it out with filter=")
-        if id(m.weight) in shared or (m.bias is not None and id(m.bias) in shared):
-            raise ValueError(f"codegen.nn.offload: {n}.weight is shared with another module "
-                             "(a tied embedding or Linear); leave it out with filter=")
+        for key in ("weight", "bias"):
+            t = getattr(m, key)
+            if t is not None and id(t) in shared:
+                others = ", ".join(x for x in shared[id(t)] if x != f"{n}.{key}")
+                raise ValueError(
+                    f"codegen.nn.offload: {n}.{key} is shared with another module ({others}: "
+                    "a tied embedding or Linear, or a tensor over the same memory), which "
+                    f"offloading it would untie; leave {n} out with filter=")
         meta = [k for k in ("weight", "bias")
                 if getattr(m, k) is not None and getattr(m, k).is_meta]
         if meta:
