@@ -3,6 +3,7 @@ weights), its Linears offloaded and run through the evaluator, against the origi
 
 import copy
 import pickle
+import sys
 import time
 
 import pytest
@@ -194,6 +195,99 @@ def test_weights_tied_by_their_memory_stay_tied():
                                              rf"\({other}.weight: .*leave {name} out with"):
             codegen.nn.offload(nn.ModuleDict(linears), device="cpu",
                                filter=lambda n, m, name=name: n == name)
+
+
+def _as_it_is(model):
+    """Everything of ``model`` that offload changes: classes, attributes, tensors (the
+    objects, where their data lies, their values) and hooks."""
+    def values(t):
+        return t.detach().clone() if not t.is_meta else None
+
+    return ({n: (type(m), sorted(m.__dict__)) for n, m in model.named_modules()},
+            {n: (id(p), p.data_ptr(), p.device, values(p)) for n, p in model.named_parameters()},
+            {n: (id(b), b.data_ptr(), b.device, values(b)) for n, b in model.named_buffers()},
+            (dict(model._forward_pre_hooks), dict(model._forward_hooks)))
+
+
+def _assert_unchanged(model, before):
+    after = _as_it_is(model)
+    assert after[0] == before[0] and after[3] == before[3]
+    for got, want in zip(after[1:3], before[1:3]):
+        assert got.keys() == want.keys()
+        for name in got:
+            assert got[name][:3] == want[name][:3], name
+            assert want[name][3] is None or torch.equal(got[name][3], want[name][3]), name
+    assert not any(isinstance(m, codegen.nn.OffloadedLinear) for m in model.modules())
+    with pytest.raises(ValueError, match="was not offloaded"):
+        codegen.nn.report(model)
+
+
+def test_offload_checks_every_tensor_before_it_changes_the_model():
+    """A tensor that cannot move (on the meta device) anywhere in the model is refused by
+    name before any Linear is converted; once it has values, offload succeeds."""
+    model = nn.Sequential(nn.Linear(8, 6), nn.LayerNorm(6, device="meta"))
+    before = _as_it_is(model)
+    with pytest.raises(ValueError, match=r"codegen.nn.offload: 1.weight is on the meta device "
+                                         r"\(no values yet\), and would move to cpu with the "
+                                         r"rest of the model; load or initialize"):
+        codegen.nn.offload(model, device="cpu")
+    _assert_unchanged(model, before)
+    model[1] = nn.LayerNorm(6)
+    ref = copy.deepcopy(model)
+    codegen.nn.offload(model, device="cpu")
+    x = torch.randn(3, 8)
+    torch.testing.assert_close(model(x), ref(x))
+
+
+class _Unmovable(torch.Tensor):
+    """A buffer whose move fails as a move onto a full GPU does."""
+
+    def to(self, *args, **kwargs):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+
+@pytest.mark.parametrize("where", ["measuring", "copying", "moving"])
+def test_a_failed_offload_leaves_the_model_as_it_was(where, monkeypatch):
+    """A step that fails part-way (the copy bandwidth's measurement, a copy into the
+    arena, a move of the rest of the model) is undone: the Linears stay nn.Linear with
+    their original tensors, every other tensor is where it was, no attribute or hook is
+    left, and the error names the step and what happened; offloading again then works."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 5), nn.BatchNorm1d(5), nn.Linear(5, 4), nn.Identity())
+    model[3].register_buffer("stuck", torch.zeros(3).as_subclass(_Unmovable))
+    module = sys.modules["codegen.nn.offload"]
+    if where == "measuring":
+        def fail(arena, device):
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 256 MiB")
+
+        monkeypatch.setattr(module, "_measure_copy_gbps", fail)
+        match = r"measuring the copy bandwidth to cpu failed \(OutOfMemoryError: CUDA out"
+    elif where == "copying":
+        real, calls = codegen.nn.Arena.tensor, []
+
+        def tensor(self, offset, dtype, shape):
+            calls.append(offset)
+            if len(calls) == 3:
+                raise RuntimeError("the copy failed")
+            return real(self, offset, dtype, shape)
+
+        monkeypatch.setattr(codegen.nn.Arena, "tensor", tensor)
+        match = r"copying 2.weight into the host arena failed \(RuntimeError: the copy failed\)"
+    else:
+        match = r"moving 3.stuck to cpu failed \(OutOfMemoryError: CUDA out of memory"
+    before = _as_it_is(model)
+    error = torch.cuda.OutOfMemoryError if where != "copying" else RuntimeError
+    with pytest.raises(error, match=match + r".*the model is as it was before the call "
+                                            r"\(nothing offloaded, every tensor where it was\)"):
+        codegen.nn.offload(model, device="cpu")
+    _assert_unchanged(model, before)
+    monkeypatch.undo()
+    del model[3].stuck
+    ref = copy.deepcopy(model).eval()
+    codegen.nn.offload(model.eval(), device="cpu")
+    x = torch.randn(3, 6)
+    torch.testing.assert_close(model(x), ref(x))
+    assert codegen.nn.report(model).linears == 2
 
 
 def test_an_offloaded_model_refuses_a_deep_copy_by_name():

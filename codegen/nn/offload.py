@@ -44,6 +44,7 @@ moves leave the weights in the arena and dtype changes are refused, and under
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import numbers
 import time
@@ -394,6 +395,26 @@ def _measure_copy_gbps(arena: Arena, device: torch.device) -> float:
     return n / (best * 1e6)
 
 
+_ABSENT = object()
+
+
+def _restorer(namespace: dict[str, Any], key: str) -> Callable[[], None]:
+    """What puts ``namespace[key]`` back as it is now (absent included)."""
+    previous = namespace.get(key, _ABSENT)
+
+    def restore() -> None:
+        if previous is _ABSENT:
+            namespace.pop(key, None)
+        else:
+            namespace[key] = previous
+
+    return restore
+
+
+def _dotted(prefix: str, key: str) -> str:
+    return f"{prefix}.{key}" if prefix else key
+
+
 def _integer(value: Any, otherwise: Any = None) -> Any:
     """``value`` as an int where it is an integer of any type (numpy's included: a size
     computed with numpy) other than a bool, else ``otherwise``. The programs take plain
@@ -493,46 +514,84 @@ def offload(model: nn.Module, slices: int = 8, *, filter: Filter | None = None, 
                              f"Linear needs it in its weight's dtype ({m.weight.dtype}); convert "
                              f"it before offloading ({n}.bias.data = {n}.bias.data.to("
                              f"{m.weight.dtype})), or leave {n} out with filter=")
+    offloaded = {id(t) for _, m in chosen for t in (m.weight, m.bias) if t is not None}
+    for prefix, module in model.named_modules():  # checked before anything changes
+        for key, t in [*module._parameters.items(), *module._buffers.items()]:
+            if t is not None and id(t) not in offloaded and t.is_meta:
+                raise ValueError(
+                    f"codegen.nn.offload: {_dotted(prefix, key)} is on the meta device (no "
+                    f"values yet), and would move to {device} with the rest of the model; "
+                    "load or initialize the model's weights and buffers before offloading it")
     total = sum(-(-t.numel() * t.element_size() // ALIGN) * ALIGN
                 for _, m in chosen for t in (m.weight, m.bias) if t is not None)
     arena = Arena(torch.empty(total, dtype=torch.uint8), pinned=False)
     arena.pinned = _pin(arena.storage) if device.type == "cuda" else False
     state = _State(arena, device, slices, pool_size, prefetch, verbose)
-    offloaded: set[int] = set()
-    offset = 0
-    for name, m in chosen:  # each original is dropped as soon as its copy is in the arena
-        for key in ("weight", "bias"):
-            t = getattr(m, key)
-            if t is None:
-                continue
-            nbytes = t.numel() * t.element_size()
-            held = arena.tensor(offset, t.dtype, t.shape)
-            held.copy_(t.detach())
-            offset += -(-nbytes // ALIGN) * ALIGN
-            # The same Parameter, its data in the arena: an optimizer, hooks or a .grad
-            # made before offloading still refer to the weight the forward reads.
-            t.data = held
-            offloaded.add(id(t))
-            del t, held
-        m.__class__ = OffloadedLinear
-        m._codegen = state  # type: ignore[attr-defined]
-        m._codegen_name = name or "the model"  # type: ignore[attr-defined]
-    for module in model.modules():
-        for p in list(module._parameters.values()):
-            if p is not None and id(p) not in offloaded:
-                p.data = p.data.to(device)
-        for key, b in list(module._buffers.items()):
-            if b is not None:
-                module._buffers[key] = b.to(device)
-    above = {".".join(name.split(".")[:k]) for name, _ in chosen if name
-             for k in range(name.count(".") + 1)}  # "" is the root
-    for name, module in model.named_modules():
-        if name in above:
-            module._apply = types.MethodType(_checked_apply, module)  # type: ignore[method-assign]
-    state.copy_gbps = _measure_copy_gbps(arena, device)
-    model._codegen_offload = state  # type: ignore[attr-defined]
-    model.register_forward_pre_hook(state.begin)
-    model.register_forward_hook(state.end)
+    # Each change to the model is recorded with what undoes it: where a step fails (a CUDA
+    # out-of-memory error moving the rest of the model), the model is put back as it was,
+    # its original tensors included, which are kept until the whole conversion has
+    # succeeded. On the host that costs no peak memory with a GPU: the pinned arena is
+    # resident from its registration, with every original still held. Originals on the
+    # GPU are freed at the end instead of one by one, after the rest has moved there.
+    undo: list[Callable[[], None]] = []
+    step = f"measuring the copy bandwidth to {device}"
+    try:
+        # First, before anything changes: it allocates up to 256 MiB on the GPU.
+        state.copy_gbps = _measure_copy_gbps(arena, device)
+        offset = 0
+        for name, m in chosen:
+            for key in ("weight", "bias"):
+                t = getattr(m, key)
+                if t is None:
+                    continue
+                step = f"copying {_dotted(name, key)} into the host arena"
+                nbytes = t.numel() * t.element_size()
+                held = arena.tensor(offset, t.dtype, t.shape)
+                held.copy_(t.detach())
+                offset += -(-nbytes // ALIGN) * ALIGN
+                # The same Parameter, its data in the arena: an optimizer, hooks or a .grad
+                # made before offloading still refer to the weight the forward reads.
+                undo.append(functools.partial(setattr, t, "data", t.data))
+                t.data = held
+            undo += [functools.partial(setattr, m, "__class__", type(m)),
+                     _restorer(m.__dict__, "_codegen"), _restorer(m.__dict__, "_codegen_name")]
+            m.__class__ = OffloadedLinear
+            m._codegen = state  # type: ignore[attr-defined]
+            m._codegen_name = name or "the model"  # type: ignore[attr-defined]
+        for prefix, module in model.named_modules():
+            for key, p in list(module._parameters.items()):
+                if p is not None and id(p) not in offloaded:
+                    step = f"moving {_dotted(prefix, key)} to {device}"
+                    undo.append(functools.partial(setattr, p, "data", p.data))
+                    p.data = p.data.to(device)
+            for key, b in list(module._buffers.items()):
+                if b is not None:
+                    step = f"moving {_dotted(prefix, key)} to {device}"
+                    undo.append(functools.partial(module._buffers.__setitem__, key, b))
+                    module._buffers[key] = b.to(device)
+        step = "setting up the offloaded model"
+        above = {".".join(name.split(".")[:k]) for name, _ in chosen if name
+                 for k in range(name.count(".") + 1)}  # "" is the root
+        for name, module in model.named_modules():
+            if name in above:
+                undo.append(_restorer(module.__dict__, "_apply"))
+                module._apply = types.MethodType(_checked_apply, module)  # type: ignore[method-assign]
+        undo.append(_restorer(model.__dict__, "_codegen_offload"))
+        model._codegen_offload = state  # type: ignore[attr-defined]
+        undo.append(model.register_forward_pre_hook(state.begin).remove)
+        undo.append(model.register_forward_hook(state.end).remove)
+    except BaseException as error:
+        for action in reversed(undo):
+            action()
+        if not isinstance(error, Exception):  # KeyboardInterrupt: undone, and raised as is
+            raise
+        oom = isinstance(error, torch.cuda.OutOfMemoryError)
+        raise (torch.cuda.OutOfMemoryError if oom else RuntimeError)(
+            f"codegen.nn.offload: {step} failed ({type(error).__name__}: {error}); the model "
+            "is as it was before the call (nothing offloaded, every tensor where it was); "
+            + ("free GPU memory (or keep more of the model in host memory: offload more of "
+               "its Linears) and offload it again" if oom else
+               "offload it again once that is fixed")) from error
     return model
 
 
