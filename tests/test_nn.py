@@ -4,6 +4,7 @@ weights), its Linears offloaded and run through the evaluator, against the origi
 import copy
 import pickle
 import sys
+import threading
 import time
 
 import pytest
@@ -427,6 +428,46 @@ def test_the_report_is_the_last_root_forward_that_ended():
     with pytest.raises(ValueError, match="last dim is 5"):
         model(torch.randn(3, 5))
     assert codegen.nn.report(model) == r
+
+
+def test_threads_running_forwards_of_one_model_each_count_their_own():
+    """Forwards of one offloaded model in several threads at once: each counts the Linear
+    calls of its own thread, so every report is one whole forward's (15 Linears: 7 per
+    layer and lm_head), whichever thread's ended last."""
+    ref = tiny_llama()
+    model = offloaded(ref)
+    ids = torch.randint(0, 97, (2, 5))
+    with torch.no_grad():
+        want = ref(ids).logits
+    weights = sum(p.numel() * p.element_size() for m in model.modules()
+                  if isinstance(m, codegen.nn.OffloadedLinear) for p in m.parameters())
+    start = threading.Barrier(2)
+    reports, errors = [], []
+
+    def forwards():
+        try:
+            start.wait()
+            for _ in range(3):
+                with torch.no_grad():
+                    got = model(ids).logits
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+                reports.append(codegen.nn.report(model))
+        except Exception as error:  # raised in a thread, it would not fail the test
+            errors.append(error)
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-3)  # threads switch often: their forwards interleave
+    try:
+        threads = [threading.Thread(target=forwards) for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert not errors, errors
+    assert len(reports) == 6
+    assert {(r.linears, r.bytes_moved) for r in reports} == {(15, weights)}
 
 
 def test_what_users_get_wrong_is_named():

@@ -47,6 +47,7 @@ import dataclasses
 import functools
 import math
 import numbers
+import threading
 import time
 import types
 import weakref
@@ -164,10 +165,11 @@ class _Forward:
 
 class _State:
     """Per offloaded model: the arena, the programs, the measured copy bandwidth, the
-    forward in flight (``current``: between the root's pre-hook and hook; Linears called
-    outside it, such as the recomputed forwards of gradient checkpointing, are not
-    counted), and the last ended forward not yet reported (``pending``): a forward that
-    raises never ends, and leaves the report at the last one that did."""
+    forward in flight in this thread (``current``: between the root's pre-hook and hook;
+    Linears called outside it, such as the recomputed forwards of gradient checkpointing,
+    are not counted), and the last ended forward not yet reported, of any thread
+    (``pending``): a forward that raises never ends, and leaves the report at the last one
+    that did."""
 
     def __init__(self, arena: Arena, device: torch.device, slices: int, pool_size: int,
                  prefetch: bool, verbose: bool) -> None:
@@ -180,9 +182,20 @@ class _State:
         self.ops: dict[tuple[torch.dtype, bool, str], CompiledOp] = {}
         self.programs: dict[tuple[torch.dtype, bool], Any] = {}
         self.copy_gbps = 0.0
-        self.current: _Forward | None = None
+        self._local = threading.local()
+        self.lock = threading.Lock()  # pending and last, which every thread's forwards set
         self.pending: _Forward | None = None
         self.last: Report | None = None
+
+    @property
+    def current(self) -> _Forward | None:
+        """This thread's forward in flight: threads running forwards of the model at once
+        each count their own Linear calls."""
+        return getattr(self._local, "forward", None)
+
+    @current.setter
+    def current(self, forward: _Forward | None) -> None:
+        self._local.forward = forward
 
     def __deepcopy__(self, memo: dict[int, Any]) -> _State:
         # A copy would share the hooks (they call this state) and hold its weights in a
@@ -237,11 +250,16 @@ class _State:
         if forward.timing is not None:
             forward.timing[1].record()
         forward.ended = time.perf_counter()
-        self.pending = forward
+        with self.lock:
+            self.pending = forward
         if self.verbose:
             print(self.finish().line())  # type: ignore[union-attr]
 
     def finish(self) -> Report | None:
+        with self.lock:  # held throughout: a forward that ends meanwhile is reported next
+            return self._finish()
+
+    def _finish(self) -> Report | None:
         forward, self.pending = self.pending, None
         if forward is None:
             return self.last
