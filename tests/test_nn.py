@@ -470,6 +470,45 @@ def test_threads_running_forwards_of_one_model_each_count_their_own():
     assert {(r.linears, r.bytes_moved) for r in reports} == {(15, weights)}
 
 
+def test_a_forward_after_an_in_place_write_waits_for_the_callers_stream(monkeypatch):
+    """With prefetch, a forward whose offloaded weights were written in place since the last
+    one (their version counters moved) first waits for the caller's stream, once per
+    change; a write through ``.data`` has a counter of its own and is not seen; with
+    prefetch=False the copies are ordered after the caller's stream, and nothing waits."""
+    model = offloaded(_mlp())
+    waits = []
+    monkeypatch.setattr(model._codegen_offload, "_synchronize", lambda: waits.append(1))
+    x = torch.randn(3, 6)
+    model(x)
+    model(x)
+    assert waits == []
+    with torch.no_grad():
+        model[2].weight.copy_(torch.randn(4, 5), non_blocking=True)
+    model(x)
+    assert waits == [1]
+    model(x)
+    assert waits == [1]  # unchanged since
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model(x).sum().backward()
+    opt.step()
+    want = _mlp()
+    want.load_state_dict(model.state_dict())
+    torch.testing.assert_close(model(x), want(x))  # reads the stepped weights
+    assert len(waits) == 2
+    model.load_state_dict(_mlp(seed=1).state_dict())
+    model(x)
+    assert len(waits) == 3
+    model[0].weight.data.add_(1.0)
+    model(x)
+    assert len(waits) == 3
+    unordered = offloaded(_mlp(), prefetch=False)
+    monkeypatch.setattr(unordered._codegen_offload, "_synchronize", lambda: waits.append(1))
+    with torch.no_grad():
+        unordered[0].weight.add_(1.0)
+    unordered(x)
+    assert len(waits) == 3
+
+
 def test_what_users_get_wrong_is_named():
     model = offloaded(_mlp())
     with pytest.raises(ValueError, match=r"codegen.nn.offload: 2: the input's last dim is 4, "
@@ -513,3 +552,27 @@ def test_edge_shapes():
     for shape in [(4,), (0, 4), (2, 0, 4)]:
         x = torch.randn(shape)
         torch.testing.assert_close(model(x), ref(x))
+
+
+# ---------------------------------------------------------------------------- GPU
+
+
+@pytest.mark.gpu
+def test_a_weight_filled_by_a_non_blocking_copy_is_read_once_it_has_landed(cache_dir):
+    """A weight written by a non-blocking copy from the GPU, queued on the caller's stream
+    behind 0.1 s of other work: the ring's copies (not ordered after that stream) must not
+    read it before it has landed; the forward waits for the stream, as the weight's
+    version counter moved."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.manual_seed(0)
+    model = codegen.nn.offload(nn.Sequential(nn.Linear(2048, 2048, bias=False)), slices=4)
+    x = torch.randn(8, 2048, device="cuda")
+    model(x)  # builds the program
+    for _ in range(3):
+        new = torch.randn(2048, 2048, device="cuda")
+        torch.cuda.synchronize()
+        torch.cuda._sleep(200_000_000)  # the copy below lands about 0.1 s from now
+        with torch.no_grad():
+            model[0].weight.copy_(new, non_blocking=True)
+        got = model(x)
+        torch.testing.assert_close(got, x @ new.T, rtol=1e-4, atol=1e-3)

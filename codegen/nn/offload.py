@@ -186,6 +186,8 @@ class _State:
         self.lock = threading.Lock()  # pending and last, which every thread's forwards set
         self.pending: _Forward | None = None
         self.last: Report | None = None
+        self.watched: list[torch.Tensor] = []  # the offloaded weights and biases
+        self.versions: list[int] = []  # their version counters at the last forward's start
 
     @property
     def current(self) -> _Forward | None:
@@ -237,11 +239,34 @@ class _State:
 
     # -- the report around one forward of the root module (its pre-hook and hook)
     def begin(self, module: nn.Module, args: Any) -> None:
+        self.order_host_writes()
         timing = None
         if self.device.type == "cuda" and not torch.cuda.is_current_stream_capturing():
             timing = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
             timing[0].record()
         self.current = _Forward(started=time.perf_counter(), timing=timing)
+
+    def order_host_writes(self) -> None:
+        """Waits for the caller's stream before a forward whose offloaded weights or biases
+        were written in place since the last one (an optimizer step, load_state_dict,
+        ``w.copy_(src, non_blocking=True)`` under no_grad: each bumps the tensor's version
+        counter). The ring's copies are not ordered after the caller's stream, and would
+        read the bytes before a write queued there had finished. One version check per
+        tensor; a synchronization only where one changed."""
+        if not self.prefetch:  # per-call staging is forked from the caller's stream
+            return
+        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return  # a captured forward stages per call; the next eager one checks
+        versions = [t._version for t in self.watched]
+        if versions != self.versions:
+            self.versions = versions
+            self._synchronize()
+
+    def _synchronize(self) -> None:
+        """Waits for the current stream of the model's device (on the CPU, the evaluator
+        has finished every write already)."""
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
 
     def end(self, module: nn.Module, args: Any, output: Any) -> None:
         forward, self.current = self.current, None
@@ -456,9 +481,10 @@ def offload(model: nn.Module, slices: int = 8, *, filter: Filter | None = None, 
     reference semantics, for tests). ``prefetch`` (the default) stages the weights' slices
     in the thread's staging ring, whose copies run ahead of the caller's stream: the
     first slices of the next Linear are copied while this one computes (see the module
-    docstring); ``prefetch=False`` gives each call its own staging, forked from the
-    caller's stream. ``verbose`` prints :func:`report`'s line after each forward;
-    :func:`report` returns it."""
+    docstring), and a forward whose offloaded weights were written in place since the last
+    one first waits for the caller's stream (docs/offload.md); ``prefetch=False`` gives
+    each call its own staging, forked from the caller's stream. ``verbose`` prints
+    :func:`report`'s line after each forward; :func:`report` returns it."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"codegen.nn.offload expects an nn.Module, got {type(model).__name__}")
     if _integer(slices) is None or slices < 1:
@@ -594,6 +620,8 @@ def offload(model: nn.Module, slices: int = 8, *, filter: Filter | None = None, 
             if name in above:
                 undo.append(_restorer(module.__dict__, "_apply"))
                 module._apply = types.MethodType(_checked_apply, module)  # type: ignore[method-assign]
+        state.watched = [t for _, m in chosen for t in (m.weight, m.bias) if t is not None]
+        state.versions = [t._version for t in state.watched]  # filled by blocking copies
         undo.append(_restorer(model.__dict__, "_codegen_offload"))
         model._codegen_offload = state  # type: ignore[attr-defined]
         undo.append(model.register_forward_pre_hook(state.begin).remove)
