@@ -340,12 +340,31 @@ def test_autocast_computes_in_its_dtype_where_that_is_the_weights():
         got, want = model(x), ref(x)
     assert got.dtype == want.dtype == torch.bfloat16
     torch.testing.assert_close(got, want)
-    fp32 = offloaded(_mlp())
-    with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(
-            ValueError, match=r"codegen.nn.offload: 0: torch.autocast computes this Linear in "
-                              r"torch.bfloat16, and its weight is torch.float32 in host memory"
-                              r".*model.to\(torch.bfloat16\) before offloading"):
-        fp32(x)
+
+
+def test_autocast_trains_fp32_master_weights_in_its_dtype():
+    """fp32 weights under bf16 autocast (mixed-precision training): each Linear computes in
+    bf16, as the resident model does, and the gradients reach the fp32 weights in host
+    memory, equal to the resident model's within bf16 rounding; the report counts the fp32
+    bytes each call copies."""
+    ref = nn.Sequential(nn.Linear(6, 32), nn.ReLU(), nn.Linear(32, 16), nn.LayerNorm(16),
+                        nn.Linear(16, 4, bias=False))
+    model = copy.deepcopy(ref)
+    codegen.nn.offload(model, device="cpu")
+    x, target = torch.randn(5, 6), torch.randn(5, 4)
+    for m in (ref, model):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = m(x)
+        assert out.dtype == torch.bfloat16  # the last Linear's, in autocast's dtype
+        ((out.float() - target) ** 2).mean().backward()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        torch.testing.assert_close(model(x), ref(x), rtol=1.6e-2, atol=1e-2)
+    for (name, want), got in zip(ref.named_parameters(), model.parameters()):
+        assert got.grad.dtype == torch.float32 and got.grad.device.type == "cpu", name
+        torch.testing.assert_close(got.grad, want.grad, rtol=1.6e-2, atol=1e-3, msg=name)
+    r = codegen.nn.report(model)
+    assert r.linears == 3
+    assert r.bytes_moved == 4 * (6 * 32 + 32 + 32 * 16 + 16 + 16 * 4)
 
 
 def test_a_model_with_nothing_to_offload_is_refused():

@@ -37,8 +37,9 @@ Each Parameter stays the same object (its data moves into the arena: an optimize
 before offloading still steps the weights the forward reads), each weight has a storage of
 its own over its bytes of the arena (``torch.save`` writes each once, in any dtype), device
 moves leave the weights in the arena and dtype changes are refused, and under
-``torch.autocast`` a Linear computes in the autocast dtype where that is its weight's
-(docs/offload.md, "Working with an offloaded model").
+``torch.autocast`` a Linear computes in the autocast dtype: streamed where that is its
+weight's, else with its weight copied whole and cast on the device (docs/offload.md,
+"Working with an offloaded model").
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from .. import examples, ir
@@ -237,6 +239,23 @@ class _State:
                                                 staging=staging)
         return self.ops[(*key, staging)](*args)
 
+    def run_cast(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
+                 dtype: torch.dtype) -> torch.Tensor:
+        """``F.linear`` in ``dtype`` (autocast's), where the weight is in another: the
+        programs run in their weight's dtype, so the weight (and bias) is copied whole to
+        ``x``'s device in its own dtype and cast there, not streamed by slices. The casts
+        are torch's: gradients reach the host weight in its dtype."""
+        if self.current is not None:
+            self.current.calls += 1
+            self.current.bytes += sum(t.numel() * t.element_size() for t in (w, b)
+                                      if t is not None)
+
+        def on_device(t: torch.Tensor) -> torch.Tensor:
+            # Queued on the caller's stream (the arena is pinned), after any write there.
+            return t.to(x.device, non_blocking=True).to(dtype)
+
+        return F.linear(x, on_device(w), on_device(b) if b is not None else None)
+
     # -- the report around one forward of the root module (its pre-hook and hook)
     def begin(self, module: nn.Module, args: Any) -> None:
         self.order_host_writes()
@@ -305,9 +324,11 @@ class _State:
 class OffloadedLinear(nn.Linear):
     """An ``nn.Linear`` whose weight (and bias) live in the model's pinned host arena and
     whose forward runs the compiled program that streams them (see the module docstring).
-    Under ``torch.autocast`` it computes in the autocast dtype when that is the weight's
-    (the input is cast, as autocast would); moving the model between devices leaves the
-    weight in the arena, and a change of its dtype is refused."""
+    Under ``torch.autocast`` it computes in the autocast dtype (the input is cast, as
+    autocast would), streaming its weight where that is the weight's dtype, else copying
+    the weight whole and casting it on the device (fp32 master weights under bf16
+    autocast); moving the model between devices leaves the weight in the arena, and a
+    change of its dtype is refused."""
 
     _codegen: _State
     _codegen_name: str
@@ -322,12 +343,8 @@ class OffloadedLinear(nn.Linear):
         compute = self._codegen.device.type
         if torch.is_autocast_enabled(compute) and x.is_floating_point():
             autocast = torch.get_autocast_dtype(compute)
-            if autocast != self.weight.dtype:
-                raise ValueError(
-                    f"{self._where()}: torch.autocast computes this Linear in {autocast}, and its "
-                    f"weight is {self.weight.dtype} in host memory (an offloaded program "
-                    f"runs in its weight's dtype); offload the model in {autocast} "
-                    f"(model.to({autocast}) before offloading it), or run it outside autocast")
+            if autocast != self.weight.dtype:  # fp32 master weights under bf16 autocast
+                return self._codegen.run_cast(x.to(autocast), self.weight, self.bias, autocast)
             x = x.to(autocast)
         if x.dtype != self.weight.dtype:
             raise ValueError(f"{self._where()}: the weight is {self.weight.dtype}, the input "
