@@ -1,5 +1,7 @@
 """codegen.nn.offload on the CPU: a tiny transformers Llama built from a config (random
-weights), its Linears offloaded and run through the evaluator, against the original."""
+weights), its Linears offloaded and run through the evaluator, against the original; and
+one ``gpu`` test of what only a GPU shows (the ring's copies against a write queued on the
+caller's stream)."""
 
 import copy
 import pickle
