@@ -213,3 +213,27 @@ def test_mlp_gelu_bf16_gradients_match_the_gpu_model(cache_dir):
     ref = ref.cuda()
     x = torch.randn(4, 32, 16, dtype=torch.bfloat16, device="cuda")
     check_gradients(model, ref, x, 5e-2)
+
+
+@pytest.mark.gpu
+def test_fp32_master_weights_under_bf16_autocast_match_the_gpu_model(cache_dir):
+    """fp32 weights in host memory under bf16 autocast: each Linear computes in bf16 (its
+    weight copied to the GPU whole and cast there), and the gradients reach the fp32
+    weights in host memory, equal to the GPU-resident model's within bf16 rounding."""
+    ref = mlp()
+    model = codegen.nn.offload(copy.deepcopy(ref), slices=4)
+    ref = ref.cuda()
+    x = torch.randn(4, 32, 16, device="cuda")
+    outs = []
+    for m in (model, ref):
+        m.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            out = m(x)
+        assert out.dtype == torch.bfloat16
+        out.float().pow(2).mean().backward()
+        outs.append(out)
+    assert rel_err(*outs) < 2e-2
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert p.grad.dtype == torch.float32 and p.grad.device.type == "cpu", name
+        in_arena(model, p)
+        assert rel_err(p.grad, q.grad) < 2e-2, name

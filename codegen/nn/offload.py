@@ -37,14 +37,18 @@ Each Parameter stays the same object (its data moves into the arena: an optimize
 before offloading still steps the weights the forward reads), each weight has a storage of
 its own over its bytes of the arena (``torch.save`` writes each once, in any dtype), device
 moves leave the weights in the arena and dtype changes are refused, and under
-``torch.autocast`` a Linear computes in the autocast dtype where that is its weight's
-(docs/offload.md, "Working with an offloaded model").
+``torch.autocast`` a Linear computes in the autocast dtype: streamed where that is its
+weight's, else with its weight copied whole and cast on the device (docs/offload.md,
+"Working with an offloaded model").
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
+import numbers
+import threading
 import time
 import types
 import weakref
@@ -52,6 +56,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from .. import examples, ir
@@ -59,7 +64,7 @@ from ..builder import CompiledOp, compile
 from ..errors import NoGPUError, ScheduleError
 from ..evaluator import evaluate
 from ..lowering import check_pool_size, lower
-from .plan import ALIGN, Layout, StreamPlan, format_bytes, parse_bytes, plan_stream, round_up
+from .plan import ALIGN, Layout, StreamPlan, parse_bytes, plan_stream, round_up
 from .streamer import ForwardCopies, Streamer, layouts_of
 
 Filter = Callable[[str, nn.Linear], bool]
@@ -107,6 +112,14 @@ def _pin(storage: torch.Tensor) -> bool:
     return True
 
 
+def _size(nbytes: int) -> str:
+    """``nbytes`` in the unit that fits it, decimal like the line's GB/s: B, KB, MB or GB."""
+    for unit, scale in (("GB", 10**9), ("MB", 10**6), ("KB", 10**3)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.3f} {unit}"
+    return f"{nbytes} B"
+
+
 @dataclasses.dataclass
 class Report:
     """What one forward of an offloaded model moved, and how close to the copy floor it ran.
@@ -138,18 +151,18 @@ class Report:
     plan: StreamPlan | None = dataclasses.field(default=None, repr=False, compare=False)
 
     def line(self) -> str:
-        copies = (f" in {self.copies} copies (mean {format_bytes(self.mean_copy_bytes)})"
+        copies = (f" in {self.copies} copies (mean {_size(self.mean_copy_bytes)})"
                   if self.copies else "")
         if math.isnan(self.copy_floor_ms):  # on the CPU: no copy floor
             return (f"codegen.nn.offload: {self.linears} Linear calls read "
-                    f"{format_bytes(self.bytes_moved)} of host weights{copies} in "
+                    f"{_size(self.bytes_moved)} of host weights{copies} in "
                     f"{self.forward_ms:.2f} ms (on the CPU: no copy floor)")
         return (f"codegen.nn.offload: {self.linears} Linear calls moved "
-                f"{format_bytes(self.bytes_moved)}{copies} in {self.forward_ms:.2f} ms "
+                f"{_size(self.bytes_moved)}{copies} in {self.forward_ms:.2f} ms "
                 f"({self.gbps:.1f} GB/s); copy floor {self.copy_floor_ms:.2f} ms at "
                 f"{self.copy_gbps:.1f} GB/s: {100 * self.floor_share:.0f}% of it, "
                 f"{self.beyond_floor_ms:.2f} ms beyond, {self.exposed_copy_ms:.2f} ms "
-                f"waiting for copies; staging {format_bytes(self.staging_bytes)}")
+                f"waiting for copies; staging {_size(self.staging_bytes)}")
 
     def as_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
@@ -171,10 +184,11 @@ class _Forward:
 
 class _State:
     """Per offloaded model: the arena, the programs, the measured copy bandwidth, the
-    forward in flight (``current``: between the root's pre-hook and hook; Linears called
-    outside it, such as the recomputed forwards of gradient checkpointing, are not
-    counted), and the last ended forward not yet reported (``pending``): a forward that
-    raises never ends, and leaves the report at the last one that did."""
+    forward in flight in this thread (``current``: between the root's pre-hook and hook;
+    Linears called outside it, such as the recomputed forwards of gradient checkpointing,
+    are not counted), and the last ended forward not yet reported, of any thread
+    (``pending``): a forward that raises never ends, and leaves the report at the last one
+    that did."""
 
     def __init__(self, arena: Arena, device: torch.device, slices: int, pool_size: int,
                  prefetch: bool, verbose: bool) -> None:
@@ -187,11 +201,24 @@ class _State:
         self.ops: dict[tuple[torch.dtype, bool, str], CompiledOp] = {}
         self.programs: dict[tuple[torch.dtype, bool], Any] = {}
         self.copy_gbps = 0.0
-        self.current: _Forward | None = None
+        self._local = threading.local()
+        self.lock = threading.Lock()  # pending and last, which every thread's forwards set
         self.pending: _Forward | None = None
         self.last: Report | None = None
         self.streamer: Streamer | None = None  # with prefetch: the copy plan's runner
         self.index_of: dict[int, int] = {}  # id(weight) -> its Linear's index in the plan
+        self.watched: list[torch.Tensor] = []  # the offloaded weights and biases
+        self.versions: list[int] = []  # their version counters at the last forward's start
+
+    @property
+    def current(self) -> _Forward | None:
+        """This thread's forward in flight: threads running forwards of the model at once
+        each count their own Linear calls."""
+        return getattr(self._local, "forward", None)
+
+    @current.setter
+    def current(self, forward: _Forward | None) -> None:
+        self._local.forward = forward
 
     def __deepcopy__(self, memo: dict[int, Any]) -> _State:
         # A copy would share the hooks (they call this state) and hold its weights in a
@@ -239,8 +266,26 @@ class _State:
                                                 staging=staging)
         return self.ops[(*key, staging)](*args)
 
+    def run_cast(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
+                 dtype: torch.dtype) -> torch.Tensor:
+        """``F.linear`` in ``dtype`` (autocast's), where the weight is in another: the
+        programs run in their weight's dtype, so the weight (and bias) is copied whole to
+        ``x``'s device in its own dtype and cast there, not streamed by slices. The casts
+        are torch's: gradients reach the host weight in its dtype."""
+        if self.current is not None:
+            self.current.calls += 1
+            self.current.bytes += sum(t.numel() * t.element_size() for t in (w, b)
+                                      if t is not None)
+
+        def on_device(t: torch.Tensor) -> torch.Tensor:
+            # Queued on the caller's stream (the arena is pinned), after any write there.
+            return t.to(x.device, non_blocking=True).to(dtype)
+
+        return F.linear(x, on_device(w), on_device(b) if b is not None else None)
+
     # -- the report around one forward of the root module (its pre-hook and hook)
     def begin(self, module: nn.Module, args: Any) -> None:
+        self.order_host_writes()
         timing = None
         if self.device.type == "cuda" and not torch.cuda.is_current_stream_capturing():
             timing = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
@@ -248,6 +293,28 @@ class _State:
         if self.streamer is not None:
             self.streamer.begin()
         self.current = _Forward(started=time.perf_counter(), timing=timing)
+
+    def order_host_writes(self) -> None:
+        """Waits for the caller's stream before a forward whose offloaded weights or biases
+        were written in place since the last one (an optimizer step, load_state_dict,
+        ``w.copy_(src, non_blocking=True)`` under no_grad: each bumps the tensor's version
+        counter). The ring's copies are not ordered after the caller's stream, and would
+        read the bytes before a write queued there had finished. One version check per
+        tensor; a synchronization only where one changed."""
+        if not self.prefetch:  # per-call staging is forked from the caller's stream
+            return
+        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return  # a captured forward stages per call; the next eager one checks
+        versions = [t._version for t in self.watched]
+        if versions != self.versions:
+            self.versions = versions
+            self._synchronize()
+
+    def _synchronize(self) -> None:
+        """Waits for the current stream of the model's device (on the CPU, the evaluator
+        has finished every write already)."""
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
 
     def end(self, module: nn.Module, args: Any, output: Any) -> None:
         copies = self.streamer.end() if self.streamer is not None else None
@@ -258,11 +325,16 @@ class _State:
             forward.timing[1].record()
         forward.ended = time.perf_counter()
         forward.copies = copies
-        self.pending = forward
+        with self.lock:
+            self.pending = forward
         if self.verbose:
             print(self.finish().line())  # type: ignore[union-attr]
 
     def finish(self) -> Report | None:
+        with self.lock:  # held throughout: a forward that ends meanwhile is reported next
+            return self._finish()
+
+    def _finish(self) -> Report | None:
         forward, self.pending = self.pending, None
         if forward is None:
             return self.last
@@ -290,9 +362,11 @@ class _State:
 class OffloadedLinear(nn.Linear):
     """An ``nn.Linear`` whose weight (and bias) live in the model's pinned host arena and
     whose forward runs the compiled program that streams them (see the module docstring).
-    Under ``torch.autocast`` it computes in the autocast dtype when that is the weight's
-    (the input is cast, as autocast would); moving the model between devices leaves the
-    weight in the arena, and a change of its dtype is refused."""
+    Under ``torch.autocast`` it computes in the autocast dtype (the input is cast, as
+    autocast would), streaming its weight where that is the weight's dtype, else copying
+    the weight whole and casting it on the device (fp32 master weights under bf16
+    autocast); moving the model between devices leaves the weight in the arena, and a
+    change of its dtype is refused."""
 
     _codegen: _State
     _codegen_name: str
@@ -307,12 +381,8 @@ class OffloadedLinear(nn.Linear):
         compute = self._codegen.device.type
         if torch.is_autocast_enabled(compute) and x.is_floating_point():
             autocast = torch.get_autocast_dtype(compute)
-            if autocast != self.weight.dtype:
-                raise ValueError(
-                    f"{self._where()}: torch.autocast computes this Linear in {autocast}, and its "
-                    f"weight is {self.weight.dtype} in host memory (an offloaded program "
-                    f"runs in its weight's dtype); offload the model in {autocast} "
-                    f"(model.to({autocast}) before offloading it), or run it outside autocast")
+            if autocast != self.weight.dtype:  # fp32 master weights under bf16 autocast
+                return self._codegen.run_cast(x.to(autocast), self.weight, self.bias, autocast)
             x = x.to(autocast)
         if x.dtype != self.weight.dtype:
             raise ValueError(f"{self._where()}: the weight is {self.weight.dtype}, the input "
@@ -362,13 +432,47 @@ def _checked_apply(module: nn.Module, fn: Callable[[torch.Tensor], torch.Tensor]
                 m._check_conversion(fn)
     return type(module)._apply(module, fn, recurse)
 
-def _shared_parameters(model: nn.Module) -> set[int]:
-    """Parameters that two or more modules hold (a tied embedding, two tied Linears)."""
-    seen: dict[int, int] = {}
-    for m in model.modules():
-        for p in m.parameters(recurse=False):
-            seen[id(p)] = seen.get(id(p), 0) + 1
-    return {k for k, count in seen.items() if count > 1}
+def _bytes_of(t: torch.Tensor) -> tuple[str, int, int] | None:
+    """The device and the byte range ``[start, end)`` that ``t``'s elements span, or None
+    where it has no bytes to share (empty, on the meta device, not strided)."""
+    if t.numel() == 0 or t.is_meta or t.layout != torch.strided:
+        return None
+    start = t.data_ptr()
+    last = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
+    return str(t.device), start, start + (last + 1) * t.element_size()
+
+
+def _shared_parameters(model: nn.Module) -> dict[int, list[str]]:
+    """The parameters (and buffers) that offloading one of would untie, each with the names
+    of those it is shared with (its own included): one that two or more modules hold (a
+    tied embedding, two tied Linears), and tensors whose bytes overlap
+    (``b.weight = nn.Parameter(a.weight.data)``: two Parameters over one storage), found
+    by the bytes they span, not by identity. Disjoint views of one storage share nothing."""
+    names: dict[int, list[str]] = {}
+    spans: list[tuple[str, int, int, int]] = []
+    for prefix, m in model.named_modules():
+        for key, t in [*m._parameters.items(), *m._buffers.items()]:
+            if t is None:
+                continue
+            if id(t) not in names:
+                names[id(t)] = []
+                span = _bytes_of(t)
+                if span is not None:
+                    spans.append((*span, id(t)))
+            names[id(t)].append(f"{prefix}.{key}" if prefix else key)
+    linked: dict[int, set[int]] = {k: set() for k in names}
+    spans.sort()
+    active: list[tuple[int, int]] = []  # (end, tensor) of the spans begun before this one
+    for i, (device, start, end, k) in enumerate(spans):
+        if i > 0 and spans[i - 1][0] != device:
+            active = []
+        active = [(e, j) for e, j in active if e > start]  # those still open overlap it
+        for _, j in active:
+            linked[k].add(j)
+            linked[j].add(k)
+        active.append((end, k))
+    return {k: names[k] + [n for j in sorted(linked[k]) for n in names[j]]
+            for k in names if len(names[k]) > 1 or linked[k]}
 
 
 def _measure_copy_gbps(arena: Arena, device: torch.device) -> float:
@@ -389,6 +493,35 @@ def _measure_copy_gbps(arena: Arena, device: torch.device) -> float:
     return n / (best * 1e6)
 
 
+_ABSENT = object()
+
+
+def _restorer(namespace: dict[str, Any], key: str) -> Callable[[], None]:
+    """What puts ``namespace[key]`` back as it is now (absent included)."""
+    previous = namespace.get(key, _ABSENT)
+
+    def restore() -> None:
+        if previous is _ABSENT:
+            namespace.pop(key, None)
+        else:
+            namespace[key] = previous
+
+    return restore
+
+
+def _dotted(prefix: str, key: str) -> str:
+    return f"{prefix}.{key}" if prefix else key
+
+
+def _integer(value: Any, otherwise: Any = None) -> Any:
+    """``value`` as an int where it is an integer of any type (numpy's included: a size
+    computed with numpy) other than a bool, else ``otherwise``. The programs take plain
+    ints (their digests have no form for numpy's)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        return otherwise
+    return int(value)
+
+
 def offload(model: nn.Module, slices: int = 8, *, filter: Filter | None = None,  # noqa: A002
             device: str | torch.device = "cuda", pool_size: int = 4, prefetch: bool = True,
             staging: int | str | None = None, copy_size: int | str | None = None,
@@ -398,13 +531,16 @@ def offload(model: nn.Module, slices: int = 8, *, filter: Filter | None = None, 
 
     ``slices``: stream slices of each weight (its output features); ``pool_size``: worker
     streams (and staging slots); ``filter(name, linear)`` says which Linears to offload
-    (default: every one whose weight no other module shares, e.g. not a tied lm_head);
+    (default: every one whose weight and bias share no memory with another module's,
+    e.g. not a tied lm_head);
     ``device="cpu"`` runs every offloaded Linear on the CPU (the reference semantics, for
     tests). ``prefetch`` (the default): forwards stream the arena by a copy plan
     (``codegen/nn/plan.py``): copies of about ``copy_size`` bytes (default
     ``DEFAULT_COPY_BYTES``) across Linear boundaries, into a GPU staging ring of
     ``staging`` bytes (default: half of the largest decoder layer's offloaded weights),
-    run ahead of the GEMM pieces that read them, into the next forward too; calls that
+    run ahead of the GEMM pieces that read them, into the next forward too (a forward
+    whose offloaded weights were written in place since the last one first orders its
+    copies after the caller's stream: docs/offload.md); calls that
     need gradients run the compiled programs, whose copies also run ahead (the thread's
     staging ring of ``pool_size + 1`` slices). ``prefetch=False``: every call runs its
     compiled program with staging of its own, forked from the caller's stream.
@@ -412,8 +548,10 @@ def offload(model: nn.Module, slices: int = 8, *, filter: Filter | None = None, 
     prints :func:`report`'s line after each forward; :func:`report` returns it."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"codegen.nn.offload expects an nn.Module, got {type(model).__name__}")
-    if isinstance(slices, bool) or not isinstance(slices, int) or slices < 1:
+    if _integer(slices) is None or slices < 1:
         raise ScheduleError(f"codegen.nn.offload: slices must be an int >= 1, got {slices!r}")
+    slices = int(slices)
+    pool_size = _integer(pool_size, pool_size)
     check_pool_size("codegen.nn.offload", pool_size)
     if not isinstance(prefetch, bool):
         raise TypeError(f"codegen.nn.offload: prefetch must be True or False, got {prefetch!r}")
@@ -448,7 +586,8 @@ def offload(model: nn.Module, slices: int = 8, *, filter: Filter | None = None, 
     shared = _shared_parameters(model)
     chosen = [(n, m) for n, m in candidates
               if (filter(n, m) if filter is not None else
-                  type(m) is nn.Linear and id(m.weight) not in shared)]
+                  type(m) is nn.Linear and id(m.weight) not in shared
+                  and (m.bias is None or id(m.bias) not in shared))]
     if not chosen:
         conv1d = any(type(m).__name__ == "Conv1D" for m in model.modules())
         raise ValueError(
@@ -463,9 +602,14 @@ def offload(model: nn.Module, slices: int = 8, *, filter: Filter | None = None, 
             raise ValueError(f"codegen.nn.offload: {n} is a {type(m).__name__}, not an "
                              "nn.Linear: its forward (or the module that reads its weight) "
                              "would not run the offloaded program; leave it out with filter=")
-        if id(m.weight) in shared or (m.bias is not None and id(m.bias) in shared):
-            raise ValueError(f"codegen.nn.offload: {n}.weight is shared with another module "
-                             "(a tied embedding or Linear); leave it out with filter=")
+        for key in ("weight", "bias"):
+            t = getattr(m, key)
+            if t is not None and id(t) in shared:
+                others = ", ".join(x for x in shared[id(t)] if x != f"{n}.{key}")
+                raise ValueError(
+                    f"codegen.nn.offload: {n}.{key} is shared with another module ({others}: "
+                    "a tied embedding or Linear, or a tensor over the same memory), which "
+                    f"offloading it would untie; leave {n} out with filter=")
         meta = [k for k in ("weight", "bias")
                 if getattr(m, k) is not None and getattr(m, k).is_meta]
         if meta:
@@ -475,52 +619,100 @@ def offload(model: nn.Module, slices: int = 8, *, filter: Filter | None = None, 
         if m.weight.dtype not in ir.DTYPE_NAMES:
             raise ValueError(f"codegen.nn.offload: {n}.weight is {m.weight.dtype}; offloaded "
                              f"weights must be one of {', '.join(ir.DTYPE_NAMES.values())}")
+        if m.bias is not None and m.bias.dtype != m.weight.dtype:
+            # The program reads the bias in the weight's dtype: refused here, not at every
+            # forward by the program's own argument check.
+            raise ValueError(f"codegen.nn.offload: {n}.bias is {m.bias.dtype}, and an offloaded "
+                             f"Linear needs it in its weight's dtype ({m.weight.dtype}); convert "
+                             f"it before offloading ({n}.bias.data = {n}.bias.data.to("
+                             f"{m.weight.dtype})), or leave {n} out with filter=")
+    offloaded = {id(t) for _, m in chosen for t in (m.weight, m.bias) if t is not None}
+    for prefix, module in model.named_modules():  # checked before anything changes
+        for key, t in [*module._parameters.items(), *module._buffers.items()]:
+            if t is not None and id(t) not in offloaded and t.is_meta:
+                raise ValueError(
+                    f"codegen.nn.offload: {_dotted(prefix, key)} is on the meta device (no "
+                    f"values yet), and would move to {device} with the rest of the model; "
+                    "load or initialize the model's weights and buffers before offloading it")
     # The arena: every bias first (one block, copied whole each forward), then the
     # weights in the order of ``chosen`` (the forward's order where it is registration's),
     # each at a multiple of ALIGN.
-    tensors = ([(m, "bias") for _, m in chosen if m.bias is not None]
-               + [(m, "weight") for _, m in chosen])
+    tensors = ([(name, m, "bias") for name, m in chosen if m.bias is not None]
+               + [(name, m, "weight") for name, m in chosen])
     total = sum(round_up(getattr(m, key).numel() * getattr(m, key).element_size(), ALIGN)
-                for m, key in tensors)
+                for _, m, key in tensors)
     arena = Arena(torch.empty(total, dtype=torch.uint8), pinned=False)
     arena.pinned = _pin(arena.storage) if device.type == "cuda" else False
     state = _State(arena, device, slices, pool_size, prefetch, verbose)
-    offloaded: set[int] = set()
-    offset = 0
-    for m, key in tensors:  # each original is dropped as soon as its copy is in the arena
-        t = getattr(m, key)
-        nbytes = t.numel() * t.element_size()
-        held = arena.tensor(offset, t.dtype, t.shape)
-        held.copy_(t.detach())
-        offset += round_up(nbytes, ALIGN)
-        # The same Parameter, its data in the arena: an optimizer, hooks or a .grad made
-        # before offloading still refer to the weight the forward reads.
-        t.data = held
-        offloaded.add(id(t))
-        del t, held
-    for name, m in chosen:
-        m.__class__ = OffloadedLinear
-        m._codegen = state  # type: ignore[attr-defined]
-        m._codegen_name = name or "the model"  # type: ignore[attr-defined]
-    for module in model.modules():
-        for p in list(module._parameters.values()):
-            if p is not None and id(p) not in offloaded:
-                p.data = p.data.to(device)
-        for key, b in list(module._buffers.items()):
-            if b is not None:
-                module._buffers[key] = b.to(device)
-    above = {".".join(name.split(".")[:k]) for name, _ in chosen if name
-             for k in range(name.count(".") + 1)}  # "" is the root
-    for name, module in model.named_modules():
-        if name in above:
-            module._apply = types.MethodType(_checked_apply, module)  # type: ignore[method-assign]
-    state.copy_gbps = _measure_copy_gbps(arena, device)
-    if prefetch:
-        state.streamer = _streamer(chosen, arena, device, staging_bytes, copy_bytes)
-        state.index_of = {id(m.weight): i for i, (_, m) in enumerate(chosen)}
-    model._codegen_offload = state  # type: ignore[attr-defined]
-    model.register_forward_pre_hook(state.begin)
-    model.register_forward_hook(state.end)
+    # Each change to the model is recorded with what undoes it: where a step fails (a CUDA
+    # out-of-memory error moving the rest of the model), the model is put back as it was,
+    # its original tensors included, which are kept until the whole conversion has
+    # succeeded. On the host that costs no peak memory with a GPU: the pinned arena is
+    # resident from its registration, with every original still held. Originals on the
+    # GPU are freed at the end instead of one by one, after the rest has moved there.
+    undo: list[Callable[[], None]] = []
+    step = f"measuring the copy bandwidth to {device}"
+    try:
+        # First, before anything changes: it allocates up to 256 MiB on the GPU.
+        state.copy_gbps = _measure_copy_gbps(arena, device)
+        offset = 0
+        for name, m, key in tensors:
+            t = getattr(m, key)
+            step = f"copying {_dotted(name, key)} into the host arena"
+            nbytes = t.numel() * t.element_size()
+            held = arena.tensor(offset, t.dtype, t.shape)
+            held.copy_(t.detach())
+            offset += round_up(nbytes, ALIGN)
+            # The same Parameter, its data in the arena: an optimizer, hooks or a .grad
+            # made before offloading still refer to the weight the forward reads.
+            undo.append(functools.partial(setattr, t, "data", t.data))
+            t.data = held
+        for name, m in chosen:
+            undo += [functools.partial(setattr, m, "__class__", type(m)),
+                     _restorer(m.__dict__, "_codegen"), _restorer(m.__dict__, "_codegen_name")]
+            m.__class__ = OffloadedLinear
+            m._codegen = state  # type: ignore[attr-defined]
+            m._codegen_name = name or "the model"  # type: ignore[attr-defined]
+        for prefix, module in model.named_modules():
+            for key, p in list(module._parameters.items()):
+                if p is not None and id(p) not in offloaded:
+                    step = f"moving {_dotted(prefix, key)} to {device}"
+                    undo.append(functools.partial(setattr, p, "data", p.data))
+                    p.data = p.data.to(device)
+            for key, b in list(module._buffers.items()):
+                if b is not None:
+                    step = f"moving {_dotted(prefix, key)} to {device}"
+                    undo.append(functools.partial(module._buffers.__setitem__, key, b))
+                    module._buffers[key] = b.to(device)
+        step = "setting up the offloaded model"
+        above = {".".join(name.split(".")[:k]) for name, _ in chosen if name
+                 for k in range(name.count(".") + 1)}  # "" is the root
+        for name, module in model.named_modules():
+            if name in above:
+                undo.append(_restorer(module.__dict__, "_apply"))
+                module._apply = types.MethodType(_checked_apply, module)  # type: ignore[method-assign]
+        if prefetch:
+            step = f"planning the copies and allocating their staging on {device}"
+            state.streamer = _streamer(chosen, arena, device, staging_bytes, copy_bytes)
+            state.index_of = {id(m.weight): i for i, (_, m) in enumerate(chosen)}
+        state.watched = [t for _, m in chosen for t in (m.weight, m.bias) if t is not None]
+        state.versions = [t._version for t in state.watched]  # filled by blocking copies
+        undo.append(_restorer(model.__dict__, "_codegen_offload"))
+        model._codegen_offload = state  # type: ignore[attr-defined]
+        undo.append(model.register_forward_pre_hook(state.begin).remove)
+        undo.append(model.register_forward_hook(state.end).remove)
+    except BaseException as error:
+        for action in reversed(undo):
+            action()
+        if not isinstance(error, Exception):  # KeyboardInterrupt: undone, and raised as is
+            raise
+        oom = isinstance(error, torch.cuda.OutOfMemoryError)
+        raise (torch.cuda.OutOfMemoryError if oom else RuntimeError)(
+            f"codegen.nn.offload: {step} failed ({type(error).__name__}: {error}); the model "
+            "is as it was before the call (nothing offloaded, every tensor where it was); "
+            + ("free GPU memory (or keep more of the model in host memory: offload more of "
+               "its Linears) and offload it again" if oom else
+               "offload it again once that is fixed")) from error
     return model
 
 
