@@ -338,11 +338,12 @@ CASE(ring_reused_range_waits_for_exactly_its_last_reader) {
 }
 
 CASE(ring_release_is_by_address_on_the_current_stream) {
-  // Two slots a, b taken on the ring stream; b's reader runs on worker 0 and releases b
-  // there, a's reader on worker 1 later. The next slots wrap onto a's bytes, then b's:
+  // Two slots a, b taken on the ring stream; a's reader runs on worker 0 and releases a
+  // there, b's reader on worker 1 after it. The next slots wrap onto a's bytes, then b's:
   // each copy waits for the event of the range it reuses, recorded on the stream that
-  // released that range right after its reader, and a release of bytes not in the ring
-  // records nothing.
+  // released that range right after its reader (a release that took the newest or the
+  // oldest range instead of a's would order c after b's reader only), and a release of
+  // bytes not in the ring records nothing.
   const Shape s;
   const cudaStream_t caller = fake::new_stream("caller");
   (void)torch_set_current_cuda_stream(caller, 0);
@@ -358,14 +359,14 @@ CASE(ring_release_is_by_address_on_the_current_stream) {
     const cudaStream_t ring_stream = streams.current().handle;
     streams.set_current(streams.worker(0));
     streams.wait(streams.ring_stream());
-    const fake::Op reads_b = fake::kernel(streams.current().handle, "reader of b",
-                                          {fake::reads(b.data, slot_bytes(s))});
-    ring.release(streams, b);
-    streams.set_current(streams.worker(1));
-    streams.wait(streams.ring_stream());
     const fake::Op reads_a = fake::kernel(streams.current().handle, "reader of a",
                                           {fake::reads(a.data, slot_bytes(s))});
     ring.release(streams, a);
+    streams.set_current(streams.worker(1));
+    streams.wait(streams.ring_stream());
+    const fake::Op reads_b = fake::kernel(streams.current().handle, "reader of b",
+                                          {fake::reads(b.data, slot_bytes(s))});
+    ring.release(streams, b);
     const size_t records = fake::records().size();
     rt::View elsewhere = a;
     elsewhere.data = reinterpret_cast<char*>(host_memory().data());
@@ -385,7 +386,7 @@ CASE(ring_release_is_by_address_on_the_current_stream) {
     }
     const std::vector<fake::Op> ring_ops = on(ring_stream);
     EXPECT(fake::before(reads_a, ring_ops[2]) && !fake::before(reads_b, ring_ops[2]),
-           "c's copy follows a's reader only");
+           "c's copy follows a's reader, not b's");
     EXPECT(fake::before(reads_b, ring_ops[3]), "d's copy follows b's reader");
     streams.set_current(streams.caller());
     streams.wait(streams.worker(0));
@@ -594,6 +595,45 @@ CASE(ring_goes_with_the_lease_to_the_next_thread) {
          "B's copy waits for A's GEMM that read those bytes");
 }
 
+CASE(ring_random_calls_never_race) {
+  // 300 calls of random shapes (slice sizes, ragged slices, slots, workers, 1 to 3
+  // operands per slice, growth both ways), from two caller streams and, now and then, a
+  // new thread that takes the lease back; a fifth of them throw between a copy and its
+  // GEMM or after it. The fake checks every copy against the last readers of its bytes,
+  // every free against every access, and each call's output against its GEMMs.
+  uint64_t seed = 12345;
+  auto next = [&](int64_t bound) {
+    seed = seed * 6364136223846793005ULL + 1442695040888963407ULL;
+    return static_cast<int64_t>((seed >> 33) % static_cast<uint64_t>(bound));
+  };
+  const cudaStream_t callers[2] = {fake::new_stream("caller 1"), fake::new_stream("caller 2")};
+  for (int call = 0; call < 300; ++call) {
+    Shape s;
+    s.k = 64 * (1 + next(3));
+    s.slices = 1 + next(8);
+    s.n = s.slices * (1 + next(4)) - next(2);
+    s.pool = 1 + next(4);
+    s.slots = 1 + next(6);
+    s.operands = 1 + static_cast<int>(next(3));
+    const int64_t throw_at = next(5) == 0 ? next(s.slices) : -1;
+    const Throw where = next(2) == 0 ? Throw::BeforeGemm : Throw::AfterGemm;
+    const cudaStream_t caller = callers[next(2)];
+    if (next(10) == 0) {
+      run_in_thread([&] { (void)ring_call(s, caller, throw_at, where); });
+    } else {
+      (void)ring_call(s, caller, throw_at, where);
+    }
+    for (const rt::RingRange& r : rt::thread_lease(0).ring.ranges) {
+      EXPECT(r.released, "call ", call, ": every range is released after the call");
+    }
+    EXPECT(rt::thread_lease(0).ring.retired.empty(), "call ", call, ": nothing retired after");
+    if (!failures.empty() || !fake::violations().empty()) {
+      failures.push_back(rt::msg("first seen in call ", call));
+      return;
+    }
+  }
+}
+
 // ------------------------------------------------------------------ leases
 
 CASE(lease_pool_is_bounded_by_threads_alive_at_once) {
@@ -681,6 +721,31 @@ CASE(lease_holds_at_most_its_streams_and_events_per_call) {
     refused = true;
   }
   EXPECT(refused, "more than 4096 events per call are refused");
+}
+
+CASE(lease_caller_workspaces_are_bounded_and_kept_per_stream) {
+  // A call that runs GEMMs on the caller's stream claims that stream's workspace: the same
+  // one call after call, one per stream, and none past kCallerWorkspaces streams.
+  std::vector<cudaStream_t> callers;
+  std::vector<const rt::Workspace*> claimed;
+  for (size_t k = 0; k <= rt::Lease::kCallerWorkspaces; ++k) {
+    callers.push_back(fake::new_stream(rt::msg("caller ", as_int(k))));
+    (void)torch_set_current_cuda_stream(callers.back(), 0);
+    const rt::Streams streams(0, /*caller_gemms=*/true);
+    claimed.push_back(streams.caller().workspace);
+  }
+  const std::set<const rt::Workspace*> distinct(claimed.begin(), claimed.end() - 1);
+  EXPECT(as_int(distinct.size()) == as_int(rt::Lease::kCallerWorkspaces) &&
+             distinct.count(nullptr) == 0,
+         "one workspace per caller stream up to the bound");
+  EXPECT(claimed.back() == nullptr, "none past the bound: those GEMMs take cublasGemmEx");
+  (void)torch_set_current_cuda_stream(callers[1], 0);
+  {
+    const rt::Streams again(0, /*caller_gemms=*/true);
+    EXPECT(again.caller().workspace == claimed[1], "a stream keeps its workspace");
+    const rt::Streams no_gemms(0);
+    EXPECT(no_gemms.caller().workspace == nullptr, "a call without caller GEMMs claims none");
+  }
 }
 
 // ------------------------------------------------------------------ Streams: fork and join
