@@ -67,7 +67,8 @@ std::vector<fake::Op> on(cudaStream_t stream) { return fake::ops_on(stream); }
 
 // w: float32 [n, k] in host memory (row-major), `operands` of them per slice, staged
 // slice by slice in the ring and read by one GEMM per slice on worker i % pool, which
-// writes rows of the output. k = 64 floats: a row is 256 bytes, the ring's alignment.
+// writes rows of the output. k = 64 floats by default: a row is 256 bytes, the ring's
+// alignment.
 struct Shape {
   int64_t n = 32, k = 64;
   int64_t slices = 8, pool = 4, slots = 5;
