@@ -15,7 +15,7 @@ from torch import nn
 
 import codegen
 import codegen.nn
-from codegen.nn.plan import ALIGN, Layout, format_bytes, parse_bytes, plan_stream
+from codegen.nn.plan import ALIGN, Layout, format_bytes, parse_bytes, plan_stream, row_granule
 
 
 def layouts(shapes, dtype=torch.float32, bias=False):
@@ -45,6 +45,7 @@ def check_plan(plan, layouts_):
         for piece in call.pieces:
             r0, r1 = piece.rows
             assert r0 == at and r1 > r0
+            assert r0 % row_granule(lay.row_bytes, plan.copy_bytes) == 0  # aligned columns
             at = r1
             s = spans[piece.span]
             lo = lay.weight_offset + r0 * lay.row_bytes
@@ -109,6 +110,13 @@ def test_spans_run_across_linears_and_cut_weights_at_rows():
     plan = plan_stream(lays, [2, 0, 1], ring_bytes=10**6, copy_bytes=65536 + 1024,
                        bias_bytes=0)
     assert plan.calls[1].pieces[0].span == 1
+
+
+def test_pieces_start_at_multiples_of_128_rows_where_copies_hold_that_many():
+    lays, _ = layouts([(100, 1024), (1000, 1024)])  # 4 KiB rows
+    plan = plan_stream(lays, [0, 1], ring_bytes=10**7, copy_bytes=2 * 2**20, bias_bytes=0)
+    assert [p.rows for p in plan.calls[1].pieces] == [(0, 384), (384, 896), (896, 1000)]
+    check_plan(plan, lays)
 
 
 def test_the_ring_wraps_and_every_lap_reads_the_same_bytes():

@@ -230,6 +230,30 @@ class Streamer:
         self.skip_before = 0  # frees recorded in laps before this one need no wait
         self.off_plan = False  # this forward left the plan: its other calls run unplanned
         self.observed: list[int] = []
+        # Views made once (each costs microseconds of host time a call): every span's
+        # destination and source, every piece's weight and bias in the staging.
+        self.span_views = []
+        for span in plan.spans:
+            dst, lo = ((self.biases, span.arena_begin) if span.is_bias_block
+                       else (self.ring, span.ring_begin))
+            self.span_views.append((dst[lo:lo + span.nbytes],  # type: ignore[operator]
+                                    self.arena[span.arena_begin:span.arena_begin + span.nbytes],
+                                    "biases" if span.is_bias_block else "ring", lo))
+        self.piece_views = []
+        for call in plan.calls:
+            lay = plan.layouts[call.linear]
+            views = []
+            for piece in call.pieces:
+                r0, r1 = piece.rows
+                lo, hi = piece.ring_offset, piece.ring_offset + (r1 - r0) * lay.row_bytes
+                w = self.ring[lo:hi].view(lay.dtype).view(r1 - r0, lay.in_features)
+                b, b_lo, b_hi = None, 0, 0
+                if lay.bias_offset is not None:
+                    b_lo = lay.bias_offset + r0 * lay.dtype.itemsize
+                    b_hi = b_lo + (r1 - r0) * lay.dtype.itemsize
+                    b = self.biases[b_lo:b_hi].view(lay.dtype)
+                views.append((w, b, lo, hi, b_lo, b_hi))
+            self.piece_views.append(views)
 
     def relearn(self, order: list[int]) -> None:
         """Plans the forward that calls ``order`` (the Linears' indices) from now on."""
@@ -267,13 +291,7 @@ class Streamer:
             for k, d in span.waits:
                 if lap + d >= self.skip_before:
                     self.backend.wait(self.backend.copy_stream, self.freed[k])
-            if span.is_bias_block:
-                dst, buffer, lo = self.biases, "biases", span.arena_begin
-            else:
-                dst, buffer, lo = self.ring, "ring", span.ring_begin
-            self.backend.copy(dst[lo:lo + span.nbytes],
-                              self.arena[span.arena_begin:span.arena_begin + span.nbytes],
-                              buffer, lo)  # type: ignore[arg-type]
+            self.backend.copy(*self.span_views[j])
             self.backend.record(self.copied[j], self.backend.copy_stream)
             self.issued += 1
 
@@ -375,18 +393,13 @@ class Streamer:
         out = None if single else x.new_empty(x.shape[0], lay.out_features)
         if call.bias_span is not None:
             self._await_copy(stream, call.bias_span)
-        for piece in call.pieces:
+        for piece, (w, b, lo, hi, b_lo, b_hi) in zip(call.pieces,
+                                                     self.piece_views[self.cursor]):
             self._await_copy(stream, piece.span)
             r0, r1 = piece.rows
-            lo, hi = piece.ring_offset, piece.ring_offset + (r1 - r0) * lay.row_bytes
             self.backend.read(stream, "ring", lo, hi)
-            w = self.ring[lo:hi].view(lay.dtype).view(r1 - r0, lay.in_features)
-            b = None
-            if lay.bias_offset is not None:
-                b_lo = lay.bias_offset + r0 * lay.dtype.itemsize
-                b_hi = b_lo + (r1 - r0) * lay.dtype.itemsize
+            if b is not None:
                 self.backend.read(stream, "biases", b_lo, b_hi)
-                b = self.biases[b_lo:b_hi].view(lay.dtype)
             if single:
                 out = F.linear(x, w, b)
             elif b is None:
