@@ -8,27 +8,28 @@
 Every module of class exactly ``nn.Linear`` (``filter`` may narrow that; subclasses and
 shared weights stay) keeps its weight and bias in one pinned host arena of exactly their
 size (one allocation registered with ``cudaHostRegister``, not one pinned tensor per
-weight: PyTorch's pinned allocator rounds each block up to a power of two), and runs its
-forward through one compiled host program, ``linear(x, w, bias)`` with ``w`` in host
-memory: the weight's row blocks are copied into staging slots on the slices' streams under
-the GEMMs of the slices before them, so the GPU holds ``min(slices, pool_size)`` slices of
-a weight at a time, never the whole of it. The rest of the model (embeddings, norms,
-attention math, and Linears the filter leaves out) moves to the GPU. The modules stay
-``nn.Linear`` (their class becomes :class:`OffloadedLinear`, a subclass), so transformers
-models work unchanged, ``generate()`` included. One program serves every Linear of a dtype
-(its extents are symbolic), built once per cache.
+weight: PyTorch's pinned allocator rounds each block up to a power of two): the biases
+first, then the weights in the order the modules are registered. The rest of the model
+(embeddings, norms, attention math, and Linears the filter leaves out) moves to the GPU.
+The modules stay ``nn.Linear`` (their class becomes :class:`OffloadedLinear`, a
+subclass), so transformers models work unchanged, ``generate()`` included.
 
-Prefetch across Linears: the programs stage the slices in the thread's staging ring
-(``lower(..., staging="ring")``, codegen/include/codegen/ring.h), whose copy stream is
-not forked from the caller's stream. The host runs ahead of the GPU (each Linear's call
-only queues work), so when Linear j + 1 is called, its copies queue right behind Linear
-j's, and run while Linear j's last GEMMs compute, into ring bytes that Linear j's first
-GEMMs have finished reading: the copy engine never waits for an op boundary, and the
-GPU holds the ring (``pool_size + 1`` slices of the largest weight), not a layer. The
-last Linear of a forward prefetches the first of the next when the next forward is
-queued before the GPU has finished this one (forwards back to back); a forward that
-waits for the host between forwards (``generate()`` reads each token) exposes the first
-slice of its first Linear. A forward captured in a CUDA graph uses per-call staging.
+Inference (no gradients needed) streams the arena by a copy plan (``plan.py``, run by
+``streamer.py``): each forward copies it in spans of about ``copy_size`` bytes, across
+Linear boundaries, into a GPU staging ring of ``staging`` bytes (by default half of the
+largest decoder layer's offloaded weights), and each Linear's GEMM runs in pieces, one
+per span its rows lie in, each waiting only for its span's copy. A copy is queued as soon
+as the readers of the ring bytes it overwrites have been queued, so the copy engine runs
+ahead of the GEMMs by up to the ring, across Linears, and at the end of a forward into
+the first spans of the next one. The plan follows the order of the Linear calls, learnt
+again when a forward calls them in another order. ``report(model).plan`` prints it as
+host IR. A forward captured in a CUDA graph holds the same plan, the next forward's
+first spans included, so replays stream back to back.
+
+Calls that need gradients run one compiled host program per Linear dtype instead,
+``linear(x, w, bias)`` with ``w`` in host memory, whose row blocks (``slices`` of them)
+are copied into the thread's staging ring (``lower(..., staging="ring")``,
+codegen/include/codegen/ring.h) under the GEMMs of the slices before them.
 
 Backward: the compiled programs have one (``codegen.autograd``), so an offloaded model
 trains; a host weight gets its gradient in host memory.
@@ -716,9 +717,11 @@ def offload(model: nn.Module, slices: int = 8, *, filter: Filter | None = None, 
     return model
 
 
-# Copies of this size run at 97-99% of a whole-weight copy's bandwidth on H100/H200
-# (benchmarks/RESULTS.md, "Offload: copy size"), and leave a ring of half a layer room
-# for several copies in flight.
+# The copy size of the plan by default. On the H200, the 4-layer Llama of
+# benchmarks/offload_llama.py ran its prefill of 512 tokens at 1.014 / 1.005 / 1.008 x the
+# copy floor with copies of 16 / 32 / 64 MiB, and its decode step at 1.010 / 1.005 / 1.005
+# (benchmarks/RESULTS.md, "Offload at the copy floor"); 32 MiB leaves a ring of half a
+# decoder layer (208 MiB there) room for six copies in flight.
 DEFAULT_COPY_BYTES = 32 * 2**20
 
 
