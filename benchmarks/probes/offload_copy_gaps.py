@@ -10,6 +10,11 @@ to queue one, and the report's time the compute waited for copies. The time beyo
 copy floor is then either copies waiting (gaps) or compute after the last copy.
 
     python -m benchmarks.probes.offload_copy_gaps [--tokens 4096] [--configs default,...]
+                                                  [--generate N]
+
+With ``--generate N`` it times greedy ``generate`` of N tokens after a 512-token prompt
+instead, per token, with the host time of each forward (wall clock from the model's
+forward pre-hook to its hook) and the last forward's report.
 """
 
 from __future__ import annotations
@@ -38,9 +43,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.probes.offload_copy_gaps")
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--configs", default="default,staging=1700MiB,copy=64MiB")
+    parser.add_argument("--generate", type=int, default=0)
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("offload_copy_gaps needs a CUDA GPU")
+    if args.generate:
+        for config in args.configs.split(","):
+            generate(offloaded(config), config, args.generate)
+        return
     ids = torch.randint(0, 32000, (1, args.tokens), device="cuda")
     for config in args.configs.split(","):
         model = offloaded(config)
@@ -82,6 +92,43 @@ def main() -> None:
                   f"kernels starting then: {between}")
         del model
         torch.cuda.empty_cache()
+
+
+def generate(model: torch.nn.Module, config: str, n: int) -> None:
+    """Greedy generate of ``n`` tokens after a 512-token prompt: ms per token, the host
+    time of each forward, the last forward's report, and the copy engine's gaps."""
+    prompt = torch.randint(0, 32000, (1, 512), device="cuda")
+    mask = torch.ones_like(prompt)
+    host: list[float] = []
+    model.register_forward_pre_hook(lambda *a: host.append(time.perf_counter()))
+    model.register_forward_hook(lambda *a: host.append(time.perf_counter() - host.pop()))
+
+    def run(tokens: int) -> float:
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        model.generate(prompt, attention_mask=mask, max_new_tokens=tokens,
+                       min_new_tokens=tokens, do_sample=False)
+        torch.cuda.synchronize()
+        return (time.perf_counter() - start) * 1e3
+
+    run(2)
+    one = run(1)
+    host.clear()
+    per_token = (run(n + 1) - one) / n
+    r = codegen.nn.report(model)
+    print(f"{config}, generate {n}: {per_token:.2f} ms per token; host per forward "
+          f"{', '.join(f'{h * 1e3:.1f}' for h in host)} ms; last forward: {r.line()}; "
+          f"unplanned calls {r.unplanned_calls}")
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        run(4)
+    copies = sorted((e for e in prof.events() if "HtoD" in e.name),
+                    key=lambda e: e.time_range.start)
+    gaps = sorted((b.time_range.start - a.time_range.end for a, b in zip(copies, copies[1:])),
+                  reverse=True)
+    print(f"  traced generate(4): {len(copies)} copies, busy "
+          f"{sum(e.time_range.elapsed_us() for e in copies) / 1e3:.2f} ms over "
+          f"{(copies[-1].time_range.end - copies[0].time_range.start) / 1e3:.2f} ms; "
+          f"largest gaps {[round(g) for g in gaps[:8]]} µs")
 
 
 if __name__ == "__main__":
