@@ -724,6 +724,54 @@ CASE(lease_holds_at_most_its_streams_and_events_per_call) {
   EXPECT(refused, "more than 4096 events per call are refused");
 }
 
+CASE(lease_creates_only_the_streams_it_uses) {
+  // A pool of 4 workers and the ring stream (position 64): 5 streams, 5 events, not
+  // every position up to the ring stream's. A stream is created on its first use, kept
+  // for the next, and one at a position below another taken earlier (a copy stream at
+  // `pool`) is created then, in its own place.
+  (void)rt::thread_lease(0);  // creates the lease's caller event
+  const int64_t streams = fake::streams_created(), events = fake::events_created();
+  const cudaStream_t caller = fake::new_stream("caller");
+  (void)torch_set_current_cuda_stream(caller, 0);
+  std::vector<rt::Stream> used;
+  {
+    rt::Streams call(0);
+    for (int64_t j = 0; j < 4; ++j) used.push_back(call.worker(j));
+    used.push_back(call.ring_stream());
+  }
+  EXPECT(fake::streams_created() - streams == 5, "a pool of 4 and the ring stream create ",
+         fake::streams_created() - streams, " streams, expected 5");
+  EXPECT(fake::events_created() - events == 5, "and ", fake::events_created() - events,
+         " events, expected 5");
+  std::set<cudaStream_t> handles;
+  std::set<cudaEvent_t> stream_events;
+  std::set<const rt::Workspace*> workspaces;
+  for (size_t k = 0; k < used.size(); ++k) {
+    const int64_t position = k < 4 ? as_int(k) : rt::kRingStream;
+    EXPECT(used[k].handle != nullptr && used[k].event != nullptr &&
+               used[k].workspace != nullptr && used[k].worker == position,
+           "stream ", position, " has its handle, event, workspace and position");
+    handles.insert(used[k].handle);
+    stream_events.insert(used[k].event);
+    workspaces.insert(used[k].workspace);
+  }
+  EXPECT(handles.size() == 5 && stream_events.size() == 5 && workspaces.size() == 5,
+         "each stream its own handle, event and workspace");
+  {
+    rt::Streams call(0);
+    for (int64_t j = 0; j < 4; ++j) {
+      EXPECT(call.worker(j).handle == used[static_cast<size_t>(j)].handle,
+             "worker ", j, " is reused");
+    }
+    EXPECT(call.ring_stream().handle == used[4].handle, "the ring stream is reused");
+    EXPECT(fake::streams_created() - streams == 5, "reuse creates nothing");
+    const rt::Stream copy = call.copy_stream(4);
+    EXPECT(copy.worker == 4 && handles.count(copy.handle) == 0 &&
+               fake::streams_created() - streams == 6 && fake::events_created() - events == 6,
+           "the copy stream of a pool of 4 is one more stream, at position 4");
+  }
+}
+
 CASE(lease_caller_workspaces_are_bounded_and_kept_per_stream) {
   // A call that runs GEMMs on the caller's stream claims that stream's workspace: the same
   // one call after call, one per stream, and none past kCallerWorkspaces streams.

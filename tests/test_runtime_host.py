@@ -28,6 +28,7 @@ CASES = [
     "lease_pool_is_bounded_by_threads_alive_at_once",
     "lease_is_not_shared_by_live_threads_and_reused_after_exit",
     "lease_holds_at_most_its_streams_and_events_per_call",
+    "lease_creates_only_the_streams_it_uses",
     "lease_caller_workspaces_are_bounded_and_kept_per_stream",
     "streams_fork_orders_workers_after_the_callers_stream",
     "streams_join_on_return",
