@@ -564,6 +564,67 @@ CASE(ring_range_taken_before_an_exception_before_its_gemm) {
   EXPECT(freed == 1, "the output was freed, the ring kept: ", freed, " blocks freed");
 }
 
+// Every event of the ring is in one place: a range's or spare, never both nor twice (a
+// range given a spare event that another range still holds would share its record, and
+// the ring stream would wait for the wrong reader of one of them).
+void expect_each_ring_event_owned_once(const std::string& when) {
+  const rt::Ring& ring = rt::thread_lease(0).ring;
+  std::vector<cudaEvent_t> all(ring.spare);
+  for (const rt::RingRange& r : ring.ranges) all.push_back(r.freed);
+  const std::set<cudaEvent_t> distinct(all.begin(), all.end());
+  EXPECT(distinct.size() == all.size(), when, ": ", as_int(all.size() - distinct.size()),
+         " of the ring's events are held twice (by ranges or as spare)");
+}
+
+CASE(ring_wait_failing_while_the_ring_grows_leaves_each_event_owned_once) {
+  // Call 1 leaves 5 released ranges in a ring of 5 * 1024 bytes. Call 2's slices of
+  // 2048 bytes replace the ring, whose stream first waits for each range's reader; the
+  // second of those waits fails (the fork's 4 waits come before it). The call throws and
+  // the ring keeps its ranges, each with its own event, none of them also spare. Later
+  // calls of other slice sizes and pools, then one that grows the ring, keep every event
+  // owned once, so no copy waits for another range's reader in place of its own (with
+  // an event shared, the third of them races a GEMM of the first).
+  const Shape s;
+  Shape big = s;
+  big.n = 64;
+  const cudaStream_t caller = fake::new_stream("caller");
+  const Call first = ring_call(s, caller);
+  EXPECT(!first.threw, "call 1 returned");
+  expect_each_ring_event_owned_once("after call 1");
+  const size_t waits_before = fake::waits().size();
+  fake::fail_wait_after(as_int(s.pool) + 1);
+  const Call failed = ring_call(big, caller);
+  EXPECT(failed.threw, "the failed wait throws");
+  int64_t ring_waits = 0;
+  const std::vector<fake::Wait> waits = fake::waits();
+  for (size_t k = waits_before; k < waits.size(); ++k) {
+    ring_waits += waits[k].stream == fake::id(first.ring) ? 1 : 0;
+  }
+  EXPECT(ring_waits == 1 && failed.slices.size() == 1 && failed.slices[0].copies.empty(),
+         "the failure is the growth's second wait, before the first copy: ", ring_waits,
+         " waits on the ring stream");
+  EXPECT(rt::thread_lease(0).ring.ranges.size() == 5 &&
+             failed.ring_base == first.ring_base,
+         "the ring keeps its block and its 5 ranges");
+  expect_each_ring_event_owned_once("after the failed wait");
+  auto shape = [](int64_t n, int64_t slices, int64_t pool, int64_t slots) {
+    Shape x;
+    x.n = n;
+    x.slices = slices;
+    x.pool = pool;
+    x.slots = slots;
+    return x;
+  };
+  const Shape later[] = {shape(7, 7, 4, 5), shape(12, 6, 1, 4), shape(12, 6, 4, 5), big};
+  for (size_t k = 0; k < std::size(later); ++k) {
+    const size_t violations = fake::violations().size();
+    const Call c = ring_call(later[k], caller);
+    EXPECT(!c.threw, "later call ", as_int(k), " returned");
+    expect_each_ring_event_owned_once(rt::msg("after later call ", as_int(k)));
+    EXPECT(fake::violations().size() == violations, "later call ", as_int(k), " races");
+  }
+}
+
 CASE(ring_capture_is_refused_before_anything_is_queued) {
   const cudaStream_t caller = fake::new_stream("caller");
   fake::set_capturing(caller, true);

@@ -22,6 +22,7 @@ CASES = [
     "ring_allocation_failure_leaves_an_empty_ring",
     "ring_range_left_by_an_exception_is_released_on_the_callers_stream",
     "ring_range_taken_before_an_exception_before_its_gemm",
+    "ring_wait_failing_while_the_ring_grows_leaves_each_event_owned_once",
     "ring_capture_is_refused_before_anything_is_queued",
     "ring_goes_with_the_lease_to_the_next_thread",
     "ring_random_calls_never_race",
