@@ -564,6 +564,67 @@ CASE(ring_range_taken_before_an_exception_before_its_gemm) {
   EXPECT(freed == 1, "the output was freed, the ring kept: ", freed, " blocks freed");
 }
 
+// Every event of the ring is in one place: a range's or spare, never both nor twice (a
+// range given a spare event that another range still holds would share its record, and
+// the ring stream would wait for the wrong reader of one of them).
+void expect_each_ring_event_owned_once(const std::string& when) {
+  const rt::Ring& ring = rt::thread_lease(0).ring;
+  std::vector<cudaEvent_t> all(ring.spare);
+  for (const rt::RingRange& r : ring.ranges) all.push_back(r.freed);
+  const std::set<cudaEvent_t> distinct(all.begin(), all.end());
+  EXPECT(distinct.size() == all.size(), when, ": ", as_int(all.size() - distinct.size()),
+         " of the ring's events are held twice (by ranges or as spare)");
+}
+
+CASE(ring_wait_failing_while_the_ring_grows_leaves_each_event_owned_once) {
+  // Call 1 leaves 5 released ranges in a ring of 5 * 1024 bytes. Call 2's slices of
+  // 2048 bytes replace the ring, whose stream first waits for each range's reader; the
+  // second of those waits fails (the fork's 4 waits come before it). The call throws and
+  // the ring keeps its ranges, each with its own event, none of them also spare. Later
+  // calls of other slice sizes and pools, then one that grows the ring, keep every event
+  // owned once, so no copy waits for another range's reader in place of its own (with
+  // an event shared, the third of them races a GEMM of the first).
+  const Shape s;
+  Shape big = s;
+  big.n = 64;
+  const cudaStream_t caller = fake::new_stream("caller");
+  const Call first = ring_call(s, caller);
+  EXPECT(!first.threw, "call 1 returned");
+  expect_each_ring_event_owned_once("after call 1");
+  const size_t waits_before = fake::waits().size();
+  fake::fail_wait_after(as_int(s.pool) + 1);
+  const Call failed = ring_call(big, caller);
+  EXPECT(failed.threw, "the failed wait throws");
+  int64_t ring_waits = 0;
+  const std::vector<fake::Wait> waits = fake::waits();
+  for (size_t k = waits_before; k < waits.size(); ++k) {
+    ring_waits += waits[k].stream == fake::id(first.ring) ? 1 : 0;
+  }
+  EXPECT(ring_waits == 1 && failed.slices.size() == 1 && failed.slices[0].copies.empty(),
+         "the failure is the growth's second wait, before the first copy: ", ring_waits,
+         " waits on the ring stream");
+  EXPECT(rt::thread_lease(0).ring.ranges.size() == 5 &&
+             failed.ring_base == first.ring_base,
+         "the ring keeps its block and its 5 ranges");
+  expect_each_ring_event_owned_once("after the failed wait");
+  auto shape = [](int64_t n, int64_t slices, int64_t pool, int64_t slots) {
+    Shape x;
+    x.n = n;
+    x.slices = slices;
+    x.pool = pool;
+    x.slots = slots;
+    return x;
+  };
+  const Shape later[] = {shape(7, 7, 4, 5), shape(12, 6, 1, 4), shape(12, 6, 4, 5), big};
+  for (size_t k = 0; k < std::size(later); ++k) {
+    const size_t violations = fake::violations().size();
+    const Call c = ring_call(later[k], caller);
+    EXPECT(!c.threw, "later call ", as_int(k), " returned");
+    expect_each_ring_event_owned_once(rt::msg("after later call ", as_int(k)));
+    EXPECT(fake::violations().size() == violations, "later call ", as_int(k), " races");
+  }
+}
+
 CASE(ring_capture_is_refused_before_anything_is_queued) {
   const cudaStream_t caller = fake::new_stream("caller");
   fake::set_capturing(caller, true);
@@ -722,6 +783,54 @@ CASE(lease_holds_at_most_its_streams_and_events_per_call) {
     refused = true;
   }
   EXPECT(refused, "more than 4096 events per call are refused");
+}
+
+CASE(lease_creates_only_the_streams_it_uses) {
+  // A pool of 4 workers and the ring stream (position 64): 5 streams, 5 events, not
+  // every position up to the ring stream's. A stream is created on its first use, kept
+  // for the next, and one at a position below another taken earlier (a copy stream at
+  // `pool`) is created then, in its own place.
+  (void)rt::thread_lease(0);  // creates the lease's caller event
+  const int64_t streams = fake::streams_created(), events = fake::events_created();
+  const cudaStream_t caller = fake::new_stream("caller");
+  (void)torch_set_current_cuda_stream(caller, 0);
+  std::vector<rt::Stream> used;
+  {
+    rt::Streams call(0);
+    for (int64_t j = 0; j < 4; ++j) used.push_back(call.worker(j));
+    used.push_back(call.ring_stream());
+  }
+  EXPECT(fake::streams_created() - streams == 5, "a pool of 4 and the ring stream create ",
+         fake::streams_created() - streams, " streams, expected 5");
+  EXPECT(fake::events_created() - events == 5, "and ", fake::events_created() - events,
+         " events, expected 5");
+  std::set<cudaStream_t> handles;
+  std::set<cudaEvent_t> stream_events;
+  std::set<const rt::Workspace*> workspaces;
+  for (size_t k = 0; k < used.size(); ++k) {
+    const int64_t position = k < 4 ? as_int(k) : rt::kRingStream;
+    EXPECT(used[k].handle != nullptr && used[k].event != nullptr &&
+               used[k].workspace != nullptr && used[k].worker == position,
+           "stream ", position, " has its handle, event, workspace and position");
+    handles.insert(used[k].handle);
+    stream_events.insert(used[k].event);
+    workspaces.insert(used[k].workspace);
+  }
+  EXPECT(handles.size() == 5 && stream_events.size() == 5 && workspaces.size() == 5,
+         "each stream its own handle, event and workspace");
+  {
+    rt::Streams call(0);
+    for (int64_t j = 0; j < 4; ++j) {
+      EXPECT(call.worker(j).handle == used[static_cast<size_t>(j)].handle,
+             "worker ", j, " is reused");
+    }
+    EXPECT(call.ring_stream().handle == used[4].handle, "the ring stream is reused");
+    EXPECT(fake::streams_created() - streams == 5, "reuse creates nothing");
+    const rt::Stream copy = call.copy_stream(4);
+    EXPECT(copy.worker == 4 && handles.count(copy.handle) == 0 &&
+               fake::streams_created() - streams == 6 && fake::events_created() - events == 6,
+           "the copy stream of a pool of 4 is one more stream, at position 4");
+  }
 }
 
 CASE(lease_caller_workspaces_are_bounded_and_kept_per_stream) {

@@ -66,6 +66,7 @@ struct State {
   std::vector<std::string> violations;
   Clock done;  // what the host has seen complete
   int fail_allocation_in = 0;  // > 0: the allocation that many from now fails
+  int fail_wait_in = 0;        // > 0: the cudaStreamWaitEvent that many from now fails
   int64_t streams_created = 0, events_created = 0, host_waits = 0;
 
   State() {
@@ -294,6 +295,11 @@ void fail_allocation_after(int successes) {
   state().fail_allocation_in = successes + 1;
 }
 
+void fail_wait_after(int successes) {
+  std::lock_guard<std::mutex> lock(state().mutex);
+  state().fail_wait_in = successes + 1;
+}
+
 AtenTensorHandle host_tensor() {
   std::lock_guard<std::mutex> lock(state().mutex);
   return new_handle(-1);
@@ -396,6 +402,7 @@ cudaError_t cudaEventRecord(cudaEvent_t event, cudaStream_t stream) {
 cudaError_t cudaStreamWaitEvent(cudaStream_t stream, cudaEvent_t event, unsigned int) {
   fake::State& st = state();
   std::lock_guard<std::mutex> lock(st.mutex);
+  if (st.fail_wait_in > 0 && --st.fail_wait_in == 0) return cudaErrorUnknown;
   const fake::EventRec& e = st.events.at(static_cast<size_t>(event->id));
   const int sid = fake::stream_id(stream);
   if (e.destroyed) st.violations.push_back("a stream waits for a destroyed event");

@@ -113,6 +113,9 @@ int block_of(const void* data);
 // Makes a device allocation fail (an out-of-memory error): the one after the next
 // `successes` allocations.
 void fail_allocation_after(int successes);
+// Makes a cudaStreamWaitEvent fail (it returns an error and orders nothing): the one
+// after the next `successes` waits.
+void fail_wait_after(int successes);
 
 // A tensor in host memory (as a pinned host input would be) whose deletion is observed.
 AtenTensorHandle host_tensor();

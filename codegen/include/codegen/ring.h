@@ -134,14 +134,19 @@ class RingCall {
   void grow(int64_t bytes) {
     Ring& r = *ring_;
     bool held = false;
-    for (RingRange& x : r.ranges) {
+    for (const RingRange& x : r.ranges) {
       if (x.released) {
         check_cuda(cudaStreamWaitEvent(stream_, x.freed, 0), op_, "cudaStreamWaitEvent");
       } else {
         held = true;
       }
-      r.spare.push_back(x.freed);
     }
+    // Every wait queued: only now do the ranges give their events up (as slot() erases a
+    // range with the move of its event). A wait that throws above leaves each event with
+    // its range, none also spare, where a later range could take it while that range
+    // still records it.
+    r.spare.reserve(r.spare.size() + r.ranges.size());
+    for (const RingRange& x : r.ranges) r.spare.push_back(x.freed);
     r.ranges.clear();
     if (held) {
       r.retired.push_back(r.buffer);

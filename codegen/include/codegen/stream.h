@@ -116,8 +116,10 @@ struct Ring {
 struct Lease {
   int32_t device = 0;
   cudaEvent_t caller_event = nullptr;
+  // By position; a position not used yet holds a placeholder (no handle), so a thread
+  // that takes only a few workers and the ring stream creates only those.
   std::vector<Stream> workers;
-  std::vector<std::unique_ptr<Workspace>> workspaces;  // one per worker
+  std::vector<std::unique_ptr<Workspace>> workspaces;  // by position, as `workers`
   // The caller's streams' workspaces, by stream (the GEMMs of a loop that runs on the
   // caller's stream, or outside loops, use them). A thread that calls from more streams
   // than kCallerWorkspaces gets none for the others: their GEMMs take cublasGemmEx. Slots
@@ -154,17 +156,25 @@ struct Lease {
              " is out of range: a lease holds streams 0 to ", 2 * kMaxWorkers - 1, " (",
              kMaxWorkers, " workers and a second set, or the copy stream; lower() refuses "
              "pool_size > ", kMaxWorkers, ") and the ring stream, ", kRingStream);
-    while (static_cast<int64_t>(workers.size()) <= k) {
-      Stream s;
-      s.worker = static_cast<int64_t>(workers.size());
-      workspaces.push_back(std::make_unique<Workspace>());
-      s.workspace = workspaces.back().get();
-      check_cuda(cudaStreamCreateWithFlags(&s.handle, cudaStreamNonBlocking), "codegen",
-                 "creating a worker stream");
-      s.event = new_event("codegen");
-      workers.push_back(s);
+    const auto at = static_cast<size_t>(k);
+    if (workers.size() <= at) {
+      workers.resize(at + 1);
+      workspaces.resize(at + 1);
     }
-    return workers[static_cast<size_t>(k)];
+    Stream& s = workers[at];
+    // Each part kept as soon as it exists: a creation that throws leaves the others for
+    // the next use, which creates only what is still missing.
+    if (!workspaces[at]) workspaces[at] = std::make_unique<Workspace>();
+    s.workspace = workspaces[at].get();
+    if (s.handle == nullptr) {
+      cudaStream_t handle = nullptr;
+      check_cuda(cudaStreamCreateWithFlags(&handle, cudaStreamNonBlocking), "codegen",
+                 "creating a worker stream");
+      s.handle = handle;
+    }
+    if (s.event == nullptr) s.event = new_event("codegen");
+    s.worker = k;
+    return s;
   }
 };
 
