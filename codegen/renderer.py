@@ -91,9 +91,11 @@ def _environment() -> jinja2.Environment:
 # the package; every other module of the package (subpackages included) is hashed into the
 # op name, new ones included by default.
 # (builder.py's flags key the build cache instead.)
-_NOT_SHAPING_CPP = frozenset({"builder.py", "evaluator.py", "timeline.py", "demo.py", "nn.py",
+_NOT_SHAPING_CPP = frozenset({"builder.py", "evaluator.py", "timeline.py", "demo.py",
                               "__main__.py", "timing.py", "collectives.py", "races.py",
                               "autograd.py", "distributed/evaluation.py"})
+# Subpackages that only call compiled programs (offloading a model), likewise.
+_NOT_SHAPING_PACKAGES = ("nn/",)
 
 
 def include_dir() -> Path:
@@ -108,7 +110,8 @@ def _renderer_digest() -> str:
     program without changing the renderer)."""
     package = Path(__file__).resolve().parent
     modules = [p for p in sorted(package.rglob("*.py"))
-               if p.relative_to(package).as_posix() not in _NOT_SHAPING_CPP]
+               if p.relative_to(package).as_posix() not in _NOT_SHAPING_CPP
+               and not p.relative_to(package).as_posix().startswith(_NOT_SHAPING_PACKAGES)]
     return _files_digest([*sorted(template_dir().glob("*.j2")), *modules],
                          runtime_headers_digest())
 
