@@ -11,9 +11,10 @@ travels in one *bias block* per forward into a buffer of its own. A Linear's GEM
 
 Where a span goes in the ring is fixed (every lap starts at the ring's start), so a lap
 reads the same ring bytes each time and a CUDA graph can capture one. A span's copy waits
-for the last readers of every span whose ring bytes it overlaps since its own previous
-copy: ``Span.waits`` lists them as (span, lap offset), offset 0 for a span earlier in the
-same lap, -1 for one of the previous lap. ``Piece.frees`` says which spans a piece is the
+for the last readers of the spans that last held its ring bytes (each byte's last
+occupant; an earlier one's readers were waited for by a later one's copy): ``Span.waits``
+lists them as (span, lap offset), offset 0 for a span earlier in the same lap, -1 for one
+of the previous lap. ``Piece.frees`` says which spans a piece is the
 last reader of in its lap. Printed, the plan reads as the host IR of one lap
 (:func:`StreamPlan.__str__`).
 
@@ -283,14 +284,29 @@ def plan_stream(layouts: list[Layout] | tuple[Layout, ...], order: list[int] | t
             at = phase
         ring_at.append(at)
         head = at + nbytes
+    # Waits: the last occupants of each byte of a span's ring bytes before its copy, in
+    # the steady state (the second of two laps: the first lap's end is every lap's).
+    # Earlier occupants need no wait: the copy of each later one waited for them.
+    owners: list[tuple[int, int, int, int]] = []  # (lo, hi, span, lap)
+    found: dict[int, set[tuple[int, int]]] = {}
+    for lap in (0, 1):
+        for j, (_, nbytes) in enumerate(spans):
+            at = ring_at[j]
+            if at is None:
+                continue
+            lo, hi = at, at + nbytes
+            if lap == 1:
+                found[j] = {(k, lap_k - 1) for a, b, k, lap_k in owners if a < hi and lo < b}
+            kept = []
+            for a, b, k, lap_k in owners:
+                if a < lo:
+                    kept.append((a, min(b, lo), k, lap_k))
+                if b > hi:
+                    kept.append((max(a, hi), b, k, lap_k))
+            owners = [*kept, (lo, hi, j, lap)]
     made = []
     for j, (begin, nbytes) in enumerate(spans):
-        if ring_at[j] is None:
-            waits: tuple[tuple[int, int], ...] = ((j, -1),)
-        else:
-            lo, hi = ring_at[j], ring_at[j] + nbytes
-            waits = tuple((k, 0 if k < j else -1) for k, (_, n) in enumerate(spans)
-                          if ring_at[k] is not None and ring_at[k] < hi and lo < ring_at[k] + n)
+        waits = ((j, -1),) if ring_at[j] is None else tuple(sorted(found[j]))
         made.append(Span(j, begin, nbytes, ring_at[j], waits))
     # The last reader of each span in a lap.
     last: dict[int, tuple[int, int]] = {}

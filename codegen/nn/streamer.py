@@ -32,6 +32,7 @@ and write of the staging against the plan's ordering (:class:`OrderCheck`).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import threading
 from collections.abc import Sequence
@@ -126,6 +127,9 @@ class _HostBackend:
     def order(self, later: str, earlier: str) -> None:
         self.check.wait(later, self.check.record(earlier))
 
+    def copying(self) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
+
     def copy(self, dst: torch.Tensor, src: torch.Tensor, buffer: str, lo: int) -> None:
         self.check.access("copy", buffer, lo, lo + dst.numel(), write=True)
         dst.copy_(src)
@@ -160,9 +164,12 @@ class _CudaBackend:
     def order(self, later: torch.cuda.Stream, earlier: torch.cuda.Stream) -> None:
         later.wait_stream(earlier)
 
+    def copying(self) -> contextlib.AbstractContextManager[None]:
+        """The copy stream current, for ``copy``."""
+        return torch.cuda.stream(self.copy_stream)
+
     def copy(self, dst: torch.Tensor, src: torch.Tensor, buffer: str, lo: int) -> None:
-        with torch.cuda.stream(self.copy_stream):
-            dst.copy_(src, non_blocking=True)
+        dst.copy_(src, non_blocking=True)
 
     def read(self, stream: Any, buffer: str, lo: int, hi: int) -> None:
         pass
@@ -282,18 +289,27 @@ class Streamer:
     def _pump(self) -> None:
         """Queues every copy whose waits have all been recorded, in plan order, up to the
         end of the next lap."""
+        ready = self._ready()
+        if ready:
+            with self.backend.copying():  # one switch of the current stream for the batch
+                for j, lap in ready:
+                    for k, d in self.plan.spans[j].waits:
+                        if lap + d >= self.skip_before:
+                            self.backend.wait(self.backend.copy_stream, self.freed[k])
+                    self.backend.copy(*self.span_views[j])
+                    self.backend.record(self.copied[j], self.backend.copy_stream)
+
+    def _ready(self) -> list[tuple[int, int]]:
+        """The copies ``_pump`` queues now, as (span, lap), counted as queued."""
         n = len(self.plan.spans)
+        ready = []
         while self.issued < (self.lap + 2) * n:
             lap, j = divmod(self.issued, n)
-            span = self.plan.spans[j]
-            if any(self.freed_lap[k] < lap + d for k, d in span.waits):
-                return
-            for k, d in span.waits:
-                if lap + d >= self.skip_before:
-                    self.backend.wait(self.backend.copy_stream, self.freed[k])
-            self.backend.copy(*self.span_views[j])
-            self.backend.record(self.copied[j], self.backend.copy_stream)
+            if any(self.freed_lap[k] < lap + d for k, d in self.plan.spans[j].waits):
+                break
+            ready.append((j, lap))
             self.issued += 1
+        return ready
 
     def _await_copy(self, stream: Any, j: int) -> None:
         """The caller's stream waits for span ``j``'s copy of this lap (queued first)."""
