@@ -119,8 +119,14 @@ def generate(model: torch.nn.Module, config: str, n: int) -> None:
     print(f"{config}, generate {n}: {per_token:.2f} ms per token; host per forward "
           f"{', '.join(f'{h * 1e3:.1f}' for h in host)} ms; last forward: {r.line()}; "
           f"unplanned calls {r.unplanned_calls}")
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
+                 with_stack=True) as prof:
         run(4)
+    # Where the host waits: the CPU ops and runtime calls that took longest, with the
+    # Python frames that called them.
+    table = prof.key_averages(group_by_stack_n=6).table(sort_by="self_cpu_time_total",
+                                                        row_limit=12, max_name_column_width=60)
+    print("\n".join(table.splitlines()[:20]))
     copies = sorted((e for e in prof.events() if "HtoD" in e.name),
                     key=lambda e: e.time_range.start)
     gaps = sorted((b.time_range.start - a.time_range.end for a, b in zip(copies, copies[1:])),

@@ -9,8 +9,9 @@ travels in one *bias block* per forward into a buffer of its own. A Linear's GEM
 *pieces*, one per span its weight's rows lie in: piece ``p`` computes
 ``y[:, r0:r1] = x @ W[r0:r1].T (+ b[r0:r1])`` and waits only for its span's copy.
 
-Where a span goes in the ring is fixed (every lap starts at the ring's start), so a lap
-reads the same ring bytes each time and a CUDA graph can capture one. A span's copy waits
+Where a span goes in the ring is fixed (every lap starts at the same place, chosen so
+that the next lap's first copies overwrite bytes read a wrap before the lap's end), so a
+lap reads the same ring bytes each time and a CUDA graph can capture one. A span's copy waits
 for the last readers of the spans that last held its ring bytes (each byte's last
 occupant; an earlier one's readers were waited for by a later one's copy): ``Span.waits``
 lists them as (span, lap offset), offset 0 for a span earlier in the same lap, -1 for one
@@ -219,6 +220,42 @@ def row_granule(row_bytes: int, copy_bytes: int) -> int:
     return 1
 
 
+def _place(spans: list[tuple[int, int]], bias_span: int | None, ring_bytes: int,
+           start: int) -> tuple[list[int | None], int]:
+    """Ring places of a lap that starts at ``start``: each span at the next bytes that keep
+    its arena alignment (mod ALIGN), wrapping to the ring's start when it does not fit;
+    and where the lap's last span ends."""
+    ring_at: list[int | None] = []
+    head = start
+    for j, (begin, nbytes) in enumerate(spans):
+        if j == bias_span:
+            ring_at.append(None)
+            continue
+        phase = begin % ALIGN
+        at = round_up(max(head - phase, 0), ALIGN) + phase
+        if at + nbytes > ring_bytes:
+            at = phase
+        ring_at.append(at)
+        head = at + nbytes
+    return ring_at, head
+
+
+def _ring_places(spans: list[tuple[int, int]], bias_span: int | None,
+                 ring_bytes: int) -> list[int | None]:
+    """Where each span goes, the same every lap. A lap that wraps the ring starts where
+    its own last wrap has ended (as close after it as a 64th of the ring allows): the next
+    lap's first copies then overwrite bytes read a wrap earlier, not the last spans of the
+    lap, whose GEMMs run after the last copy (a lap started at the ring's start made the
+    copy engine wait for them at every forward's end)."""
+    best, best_gap = 0, None
+    for k in range(64):
+        start = round_up(ring_bytes * k // 64, ALIGN)
+        _, end = _place(spans, bias_span, ring_bytes, start)
+        if end <= start and (best_gap is None or start - end < best_gap):
+            best, best_gap = start, start - end
+    return _place(spans, bias_span, ring_bytes, best)[0]
+
+
 def plan_stream(layouts: list[Layout] | tuple[Layout, ...], order: list[int] | tuple[int, ...],
                 ring_bytes: int, copy_bytes: int, bias_bytes: int) -> StreamPlan:
     """The plan of a forward that calls ``layouts[i]`` for ``i`` in ``order``, with a ring
@@ -270,20 +307,7 @@ def plan_stream(layouts: list[Layout] | tuple[Layout, ...], order: list[int] | t
             r += rows
         calls_pieces.append(pieces)
     close()
-    # Ring places: from the ring's start each lap, each span at the next bytes that keep
-    # its arena alignment (mod ALIGN), wrapping to the start when it does not fit.
-    ring_at: list[int | None] = []
-    head = 0
-    for j, (begin, nbytes) in enumerate(spans):
-        if j == bias_span:
-            ring_at.append(None)
-            continue
-        phase = begin % ALIGN
-        at = round_up(max(head - phase, 0), ALIGN) + phase
-        if at + nbytes > ring_bytes:
-            at = phase
-        ring_at.append(at)
-        head = at + nbytes
+    ring_at = _ring_places(spans, bias_span, ring_bytes)
     # Waits: the last occupants of each byte of a span's ring bytes before its copy, in
     # the steady state (the second of two laps: the first lap's end is every lap's).
     # Earlier occupants need no wait: the copy of each later one waited for them.
