@@ -93,7 +93,8 @@ def _environment() -> jinja2.Environment:
 # (builder.py's flags key the build cache instead.)
 _NOT_SHAPING_CPP = frozenset({"builder.py", "evaluator.py", "timeline.py", "demo.py", "nn.py",
                               "__main__.py", "timing.py", "collectives.py", "races.py",
-                              "autograd.py", "distributed/evaluation.py"})
+                              "autograd.py", "distributed/evaluation.py", "__init__.py",
+                              "version.py"})
 
 
 def include_dir() -> Path:
