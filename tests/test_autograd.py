@@ -507,3 +507,41 @@ def test_a_saved_result_that_is_an_output_is_saved_once():
     touts, tgrads = _torch_grads(fn, inputs, weights)
     for got, want in zip(outs + grads, touts + tgrads):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_the_evaluator_derives_a_programs_backward_once(monkeypatch):
+    """A model calls one program again and again (an offloaded Linear per layer): its
+    backward is derived and lowered on the first call that records, not on every call."""
+    calls = []
+
+    def counting(fusion, wanted):
+        calls.append(wanted)
+        return derive(fusion, wanted)
+
+    derive = autograd.derive
+    monkeypatch.setattr(autograd, "derive", counting)
+    program = cg.lower(examples.llama_mlp(F64, 2))
+    shapes = [(5, 4), (7, 4), (7, 4), (4, 7)]
+    for _ in range(10):
+        leaves = [torch.randn(*s, dtype=F64, requires_grad=True) for s in shapes]
+        cg.evaluate(program, leaves)[0].sum().backward()
+        assert all(x.grad is not None for x in leaves)
+    assert calls == [(True, True, True, True)]
+    x = torch.randn(5, 4, dtype=F64, requires_grad=True)  # another set of wanted inputs
+    for _ in range(3):
+        cg.evaluate(program, [x, *(torch.randn(*s, dtype=F64) for s in shapes[1:])])
+    assert calls == [(True, True, True, True), (True, False, False, False)]
+
+
+def test_the_evaluators_derived_programs_go_with_their_program():
+    import gc
+
+    program = cg.lower(examples.llama_mlp(F64, 2))
+    leaves = [torch.randn(*s, dtype=F64, requires_grad=True)
+              for s in [(5, 4), (7, 4), (7, 4), (4, 7)]]
+    cg.evaluate(program, leaves)[0].sum().backward()
+    key = id(program)
+    assert key in autograd._evaluator_runners
+    del program, leaves
+    gc.collect()
+    assert key not in autograd._evaluator_runners
