@@ -99,8 +99,12 @@ class _LinkError(BuildError):
 
 
 def cache_root() -> Path:
+    """The build cache: ``CODEGEN_CACHE_DIR`` (default ``~/.cache/codegen``), made
+    absolute against the current folder: ninja runs in each entry's folder, where a
+    relative path to the precompiled runtime would name nothing (and GCC would silently
+    read the headers instead)."""
     root = os.environ.get("CODEGEN_CACHE_DIR") or str(Path.home() / ".cache" / "codegen")
-    return Path(root).expanduser()
+    return Path(os.path.abspath(Path(root).expanduser()))
 
 
 def build_timeout() -> float:
@@ -397,6 +401,20 @@ def _exclusive(folder: Path) -> Iterator[None]:
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
+def _ninja_flags(flags: Sequence[str]) -> list[str]:
+    """``flags`` as they must be written into build.ninja: cpp_extension joins them with
+    spaces into a ninja variable, and ninja hands the command to ``/bin/sh``; so each is
+    quoted for the shell (a path with a space stays one argument) and its ``$`` doubled
+    for ninja. Flags without such characters are unchanged."""
+    return [shlex.quote(f).replace("$", "$$") for f in flags]
+
+
+def _failed_target(log: str) -> str | None:
+    """The target of ninja's first failed step (``FAILED: [code=1] name.o``), or None."""
+    match = re.search(r"^FAILED: (?:\[code=\d+\] )?(\S+)", log, re.MULTILINE)
+    return match[1] if match else None
+
+
 # Lines of a ninja log that are not diagnostics: its progress lines and echoed commands.
 _NOT_DIAGNOSTIC = re.compile(
     r"^\[\d+/\d+\] |^FAILED: |^ninja: build stopped|Error building extension| -o \S")
@@ -574,8 +592,9 @@ def _cpp_extension_build(entry: _Entry, tools: Toolchain, includes: list[str]) -
         try:
             cpp_extension.load(
                 entry.name, [str(entry.source)],
-                extra_cflags=[*tools.cflags, *includes],
-                extra_ldflags=[f for f in tools.ldflags if f != "-shared"],  # it adds -shared
+                extra_cflags=_ninja_flags([*tools.cflags, *includes]),
+                extra_ldflags=_ninja_flags([f for f in tools.ldflags
+                                            if f != "-shared"]),  # it adds -shared
                 build_directory=str(entry.folder), is_python_module=False, with_cuda=False)
             built = None
         except RuntimeError as e:  # ninja's failure ("Error building extension ...")
@@ -592,7 +611,9 @@ def _cpp_extension_build(entry: _Entry, tools: Toolchain, includes: list[str]) -
         entry.log.write_text(f"{log}\n(stopped after {timeout:g} s)\n")
         raise _timed_out(entry.name, timeout, entry.log)
     entry.log.write_text(log)
-    error = _LinkError if entry.object.is_file() else BuildError
+    # A link error only where ninja's failed step is the link: the compiler can fail and
+    # still leave an object (an argument it could not read beside the source it compiled).
+    error = _LinkError if _failed_target(log) == entry.library.name else BuildError
     raise error(f"codegen: building {entry.name} failed: {_first_error(log)}\n"
                 f"full log: {entry.log}")
 
