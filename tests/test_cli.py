@@ -42,6 +42,28 @@ def test_regen_writes_only_changed_files(tmp_path):
     assert regen(tmp_path) == ["batched.cpp", "gone.cpp (removed)"]
 
 
+def test_help_is_plain_text_and_lists_the_users_commands():
+    from codegen.__main__ import command_line
+
+    run = subprocess.run([sys.executable, "-m", "codegen", "--help"], capture_output=True,
+                         text=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
+                         timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout == command_line().format_help()
+    for markup in ("``", ":func:", ":class:", "`"):
+        assert markup not in run.stdout
+    assert "{demo,show,timeline}" in run.stdout and "regen" not in run.stdout
+    for command in ("demo", "show", "timeline"):
+        assert f"\n    {command} " in run.stdout  # listed with its help
+
+
+def test_regen_is_a_developers_command_that_still_runs(tmp_path, capsys):
+    assert main(["regen", "--out", str(tmp_path)]) == 0
+    assert "wrote " in capsys.readouterr().out and (tmp_path / "llama_mlp.cpp").is_file()
+    assert main(["regen", "--out", str(tmp_path)]) == 0
+    assert capsys.readouterr().out == "csrc_gen is up to date\n"
+
+
 def test_demo_without_a_gpu(cache_dir):
     env = {**os.environ, "PYTHONPATH": str(REPO), "CODEGEN_CACHE_DIR": str(cache_dir)}
     run = subprocess.run([sys.executable, "-m", "codegen", "demo"], capture_output=True,
