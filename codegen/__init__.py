@@ -6,6 +6,9 @@ a compiled torch op, and a reference evaluator. See README.md.
 
 # ruff: noqa: E402 - torch's version is checked before the modules that need a newer one
 
+import logging as _logging
+import sys as _sys
+
 import torch as _torch
 
 from .version import __version__, check_torch
@@ -67,3 +70,34 @@ __all__ = [
     "schedule",
     "silu",
 ]
+
+
+class _UntilLoggingIsConfigured(_logging.StreamHandler):  # type: ignore[type-arg]
+    """Writes codegen's records to stderr (``codegen: <message>``) while the application
+    has configured no logging (the root logger has no handler), as a script that just
+    calls ``cg.compile`` needs to see what a build is doing; once logging is configured,
+    the records reach the application's handlers alone (they propagate)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.setFormatter(_logging.Formatter("codegen: %(message)s"))
+
+    @property  # type: ignore[override]
+    def stream(self) -> object:
+        return _sys.stderr  # the current one (pytest, for one, replaces it)
+
+    @stream.setter
+    def stream(self, value: object) -> None:
+        pass
+
+    def emit(self, record: _logging.LogRecord) -> None:
+        if not _logging.getLogger().handlers:
+            super().emit(record)
+
+
+# INFO: what is being built and how long it took. Silenced like any library's messages:
+# logging.getLogger("codegen").setLevel(logging.WARNING).
+_logger = _logging.getLogger("codegen")
+if _logger.level == _logging.NOTSET:
+    _logger.setLevel(_logging.INFO)
+_logger.addHandler(_UntilLoggingIsConfigured())

@@ -398,6 +398,7 @@ int main() {
 """
 
 
+@pytest.mark.build
 def test_activation_derivatives_match_torch(tmp_path):
     """The prelude's derivatives (compiled for the host, as the kernels' device functions
     are written) against torch's silu_backward and gelu_backward, in float and double."""
@@ -428,6 +429,7 @@ def test_activation_derivatives_match_torch(tmp_path):
     assert not math.isnan(got.sum())
 
 
+@pytest.mark.build
 def test_backward_programs_build(cache_dir):
     """The backward's C++ (MatmulTN, SumRows, the GELU-derivative kernel, host gradients
     copied out) builds and loads without a GPU."""
@@ -441,6 +443,7 @@ def test_backward_programs_build(cache_dir):
         assert "gemms.matmul_tn" in op.source
 
 
+@pytest.mark.build
 def test_a_linear_applied_twice_sums_its_gradients_and_builds(cache_dir):
     """One weight and bias read by two linears: dW's two GEMMs become one accumulating
     onto the other; the bias gradient's two row sums stay an add (a row sum does not

@@ -21,6 +21,8 @@ import codegen as cg
 from codegen.examples import matmul_rows
 from codegen.renderer import include_dir
 
+pytestmark = pytest.mark.build  # every test here builds C++
+
 builder = importlib.import_module("codegen.builder")  # cg.build is the function
 
 RUNTIME_PROGRAM = '#include "codegen/runtime.h"\nint {name}_probe() {{ return 1; }}\n'

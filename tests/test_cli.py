@@ -1,6 +1,7 @@
 """The command line: show, regen, demo (CPU path), and the timeline plot."""
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -74,6 +75,20 @@ def test_demo_without_a_gpu(cache_dir):
             "stream-ordered (codegen.races)" in run.stdout
         assert "on meta tensors it gives [8192, 8192] torch.bfloat16" in run.stdout
     assert "HostProgram stream_matmul_n" in run.stdout
+    from codegen.builder import toolchain_problem
+
+    problem = toolchain_problem()
+    if problem is not None:  # the evaluator's checks all the same
+        assert run.stdout.startswith(f"not building the C++ ops: {problem}\n")
+        assert "evaluator on CPU, stream_matmul_n: matches torch" in run.stdout
+        return
+    # what the times measure: the cache's shared parts apart, then each op alone
+    assert "the precompiled runtime and the autograd kernel of ops without a backward ready " \
+        "in " in run.stdout
+    ops = [line for line in run.stdout.splitlines() if line.startswith("op:  torch.ops.")]
+    assert len(ops) == 5 and all(
+        re.search(r" \((lowered, rendered and built|loaded from the cache) in \d+\.\d\d s\)$",
+                  line) for line in ops), ops
 
 
 def test_timeline_plot(tmp_path):
