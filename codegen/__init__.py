@@ -63,6 +63,7 @@ __all__ = [
     "input",
     "linear",
     "lower",
+    "nn",
     "matmul",
     "mul",
     "output",
@@ -101,3 +102,6 @@ _logger = _logging.getLogger("codegen")
 if _logger.level == _logging.NOTSET:
     _logger.setLevel(_logging.INFO)
 _logger.addHandler(_UntilLoggingIsConfigured())
+
+# `import codegen` gives codegen.nn too; imported last, once the package is whole.
+from . import nn

@@ -52,3 +52,11 @@ def test_import_codegen_refuses_an_old_torch():
     last = run.stderr.strip().splitlines()[-1]
     assert last.startswith("ImportError: codegen needs torch >= 2.10"), run.stderr
     assert "found torch 2.9.1 at " in last
+
+
+def test_import_codegen_gives_codegen_nn():
+    code = "import codegen; print(codegen.nn.offload.__module__, codegen.nn.report.__name__)"
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split() == ["codegen.nn.offload", "report"]
