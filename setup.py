@@ -1,12 +1,19 @@
 """codegen: stream-parallel host programs for PyTorch, generated as C++ and JIT-built."""
 
+from pathlib import Path
+
 from setuptools import setup
+
+# The version and the torch requirement live in codegen/version.py (read, not imported:
+# importing codegen needs torch).
+VERSION: dict[str, object] = {}
+exec((Path(__file__).parent / "codegen" / "version.py").read_text(), VERSION)
 
 setup(
     # The distribution's name; the import name is `codegen` ("codegen" on the package index
     # is an unrelated project).
     name="codegen-streams",
-    version="0.1.0",
+    version=VERSION["__version__"],
     description="Compile stream-parallel matmul schedules into C++ torch ops calling cuBLAS",
     python_requires=">=3.10",
     packages=["codegen", "codegen.hostir", "codegen.distributed", "codegen.nn",
@@ -15,7 +22,7 @@ setup(
     package_dir={"codegen": "codegen", "codegen.templates": "templates"},
     # The C++ runtime headers ship with the package: every generated program includes them.
     package_data={"codegen.templates": ["*.j2"], "codegen": ["include/codegen/*.h"]},
-    install_requires=["torch>=2.4", "jinja2>=3.0", "ninja"],
+    install_requires=[f"torch>={VERSION['TORCH_REQUIRED']}", "jinja2>=3.0", "ninja"],
     extras_require={
         "test": ["pytest>=7", "ruff", "matplotlib", "transformers>=4.40"],
         "offload": ["transformers>=4.40", "accelerate"],

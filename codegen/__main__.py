@@ -1,4 +1,5 @@
-"""Command line: ``python -m codegen {demo,regen,show,timeline}``."""
+"""Command line: ``python -m codegen {demo,show,timeline}``, and ``regen``, the
+developers' command that rewrites csrc_gen/ (left out of the help)."""
 
 from __future__ import annotations
 
@@ -80,15 +81,28 @@ def _positive(text: str) -> int:
     return value
 
 
+DESCRIPTION = """\
+Stream-parallel host programs for PyTorch, compiled to C++ torch ops.
+Run the demo, or print a stage of a bundled example, or draw its streams on a GPU.
+"""
+EPILOG = "python -m codegen COMMAND --help shows a command's options."
+
+
 def command_line() -> argparse.ArgumentParser:
     """The parser of ``python -m codegen``."""
-    parser = argparse.ArgumentParser(prog="python -m codegen", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = argparse.ArgumentParser(prog="python -m codegen", description=DESCRIPTION,
+                                     epilog=EPILOG,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    # The metavar names the users' commands; regen, a developer's, is left out of it and,
+    # having no help, of the list below it.
+    sub = parser.add_subparsers(dest="command", required=True, title="commands",
+                                metavar="{demo,show,timeline}")
     d = sub.add_parser("demo", help="define, lower, print, render, build; on a GPU run, "
                                     "check against torch and time it")
     d.add_argument("--size", type=_positive, default=8192, help="m = n = k on the GPU")
     d.add_argument("--slices", type=_positive, default=4)
-    r = sub.add_parser("regen", help="rewrite csrc_gen/ (only files whose text changed)")
+    r = sub.add_parser("regen", description="Developers: rewrite csrc_gen/ (only files "
+                                            "whose text changed).")
     r.add_argument("--out", type=Path, default=CSRC_GEN)
     s = sub.add_parser("show", help="print one stage of a bundled example")
     s.add_argument("example", choices=sorted(EXAMPLES))

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -284,12 +285,24 @@ def _saving_forward(fusion: Fusion, saved: list[str]) -> tuple[Fusion | None,
 class Runner:
     """The programs of one differentiable program, made on first use per set of wanted
     inputs: lowered with the forward's options, then built (``compiled``) or run by the
-    evaluator."""
+    evaluator.
+
+    It keeps what it needs of the program (its name, source fusion and lowering
+    options), not the program itself, so that the evaluator's cache of runners
+    (``evaluator_runner``) does not keep the programs it is keyed by alive."""
 
     def __init__(self, program: hir.HostProgram, compiled: bool) -> None:
         if program.source is None:
             raise InternalError(f"{program.name}: no source fusion to differentiate")
-        self.program = program
+        self.name = program.name
+        self.source: Fusion = program.source
+        # the forward's lowering options: the derived programs run the loops it runs
+        self.options: dict[str, Any] = dict(
+            pool_size=program.pool_size, gemm_sm_count=program.gemm_sm_count,
+            copy_stream=program.copy_stream, staging=program.staging,
+            split_contraction=program.split_contraction)
+        self.gemm_library = program.gemm_library
+        self.backward_gemm_library = backward_gemm_library(program)
         self.compiled = compiled
         self.n_outputs = len(program.outputs)
         self._plans: dict[tuple[bool, ...], tuple[Gradient, Any, Any]] = {}
@@ -299,7 +312,7 @@ class Runner:
         """The gradient and its (saving forward, backward) runnables for ``wanted``."""
         with self._lock:
             if wanted not in self._plans:
-                g = derive(self.program.source, wanted)
+                g = derive(self.source, wanted)
                 self._plans[wanted] = (g, self._runnable(g.forward, keep=True),
                                        self._runnable(g.backward, keep=False))
             return self._plans[wanted]
@@ -311,11 +324,8 @@ class Runner:
 
         if fusion is None:
             return None
-        p = self.program
-        program = lower(fusion, pool_size=p.pool_size, gemm_sm_count=p.gemm_sm_count,
-                        gemm_library=p.gemm_library if keep else backward_gemm_library(p),
-                        copy_stream=p.copy_stream, staging=p.staging,
-                        split_contraction=p.split_contraction)  # the loop the forward runs
+        program = lower(fusion, **self.options,
+                        gemm_library=self.gemm_library if keep else self.backward_gemm_library)
         if not keep:
             program = program.replace(source=None)  # no backward of a backward
         if self.compiled:
@@ -365,11 +375,11 @@ class Function(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> Any:
         if ctx.error is not None:
-            raise ScheduleError(f"{ctx.runner.program.name}: no backward: {ctx.error}")
+            raise ScheduleError(f"{ctx.runner.name}: no backward: {ctx.error}")
         if torch.is_grad_enabled() and any(
                 t.requires_grad for t in (*ctx.saved_tensors, *grads) if t is not None):
             # create_graph=True: the gradients would be constants of the graph built on them
-            raise ScheduleError(f"{ctx.runner.program.name}: no double backward: the "
+            raise ScheduleError(f"{ctx.runner.name}: no double backward: the "
                                 "gradient programs have no backward of their own, and "
                                 "backward(create_graph=True) or torch.autograd.grad(..., "
                                 "create_graph=True) through this op needs one")
@@ -414,8 +424,25 @@ def register(program: hir.HostProgram, qualname: str, overload: Any,
     library.impl(qualname.split("::")[1], kernel, "Autograd")
 
 
+# The evaluator's runners, by the id of the program each belongs to; an entry goes when its
+# program is collected (a weakref.finalize), before the id can be reused.
+_evaluator_runners: dict[int, Runner] = {}
+_evaluator_runners_lock = threading.Lock()
+
+
+def evaluator_runner(program: hir.HostProgram) -> Runner:
+    """The runner of ``program`` for the evaluator, made on its first call that records:
+    the backward is derived and lowered once per program (and set of wanted inputs), not
+    on every call (a model's Linears call one program again and again)."""
+    with _evaluator_runners_lock:
+        runner = _evaluator_runners.get(id(program))
+        if runner is None:
+            runner = _evaluator_runners[id(program)] = Runner(program, compiled=False)
+            weakref.finalize(program, _evaluator_runners.pop, id(program), None)
+        return runner
+
+
 def evaluate(program: hir.HostProgram, inputs: Sequence[torch.Tensor],
              run: Callable[[], list[torch.Tensor]]) -> list[torch.Tensor]:
     """The evaluator's outputs for ``inputs``, with a backward where autograd records."""
-    runner = Runner(program, compiled=False)
-    return _as_list(Function.apply(runner, lambda *args: run(), *inputs))
+    return _as_list(Function.apply(evaluator_runner(program), lambda *args: run(), *inputs))

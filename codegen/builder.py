@@ -21,8 +21,9 @@ A program is one translation unit against torch's stable ABI (no ATen headers), 
 with are precompiled once per cache (``_precompiled_runtime``, one direct compiler run:
 cpp_extension builds libraries, not headers); the folder of that ``.gch`` goes first on
 the include path and GCC uses it, ``-DTORCH_EXTENSION_NAME`` notwithstanding. The build
-is ``with_cuda=False``: the file has no CUDA code, and the toolkit's and cuBLAS's headers
-and ``libcudart`` come from ``toolchain()`` (found here, not in the user's shell), so
+is ``with_cuda=False``: the file has no CUDA code, and the CUDA headers and ``libcudart``
+come from ``toolchain()`` (a toolkit's, else those of the wheels torch brings; found
+here, not in the user's shell), so
 cpp_extension needs neither ``CUDA_HOME`` nor ``TORCH_CUDA_ARCH_LIST`` and nothing in
 ``os.environ`` is changed (except ``PATH``, once, where ninja is only next to this
 Python: ``_ninja_on_path``). Each compiler run is stopped after ``CODEGEN_BUILD_TIMEOUT_S``
@@ -69,8 +70,9 @@ from .renderer import (
     runtime_headers_digest,
 )
 
-# The oldest torch whose stable ABI the generated C++ targets (the GPU machine's 2.11):
-# one source builds and loads on 2.11 and newer.
+# The stable ABI version the generated C++ targets (the GPU machine's 2.11). The runtime
+# calls nothing newer than 2.10's stable API (it compiles with the target set to 2.10), so
+# torch 2.10, the oldest codegen accepts (codegen/version.py), builds it too.
 TORCH_TARGET_VERSION = "0x020b000000000000"
 # -O1: host code calling libraries builds faster than at -O2 and runs as fast (README).
 # Hidden visibility: programs export nothing (they register through static init), so
@@ -81,6 +83,10 @@ CFLAGS = ("-O1", "-DNDEBUG", "-fvisibility=hidden", "-DUSE_CUDA",
 BUILD_PATH = "torch.utils.cpp_extension.load+ninja"
 # Seconds one compiler run may take (CODEGEN_BUILD_TIMEOUT_S overrides).
 BUILD_TIMEOUT_S = 600.0
+# Seconds after which a build still running logs that it is (once).
+PROGRESS_AFTER_S = 5.0
+# Build messages: INFO what is built and how long it took, WARNING a slower fallback taken.
+log = logging.getLogger(__name__)
 _loaded: dict[str, tuple[str, Path]] = {}  # op name -> (digest, library) in this process
 _lock = threading.Lock()  # guards _loaded, _name_locks, _registered; held for no compile
 _name_locks: dict[str, threading.Lock] = {}  # op name -> held while it is built or loaded
@@ -99,8 +105,12 @@ class _LinkError(BuildError):
 
 
 def cache_root() -> Path:
+    """The build cache: ``CODEGEN_CACHE_DIR`` (default ``~/.cache/codegen``), made
+    absolute against the current folder: ninja runs in each entry's folder, where a
+    relative path to the precompiled runtime would name nothing (and GCC would silently
+    read the headers instead)."""
     root = os.environ.get("CODEGEN_CACHE_DIR") or str(Path.home() / ".cache" / "codegen")
-    return Path(root).expanduser()
+    return Path(os.path.abspath(Path(root).expanduser()))
 
 
 def build_timeout() -> float:
@@ -142,27 +152,102 @@ def _private(folder: Path, parents: bool = False) -> None:
 # ---------------------------------------------------------------------------- toolchain
 
 
+# The CUDA headers a program needs: those the runtime includes (codegen/include/codegen/*.h),
+# and two that those include and the wheels torch depends on lack: crt/host_defines.h
+# (cuda_runtime_api.h's; in the nvidia-cuda-crt wheel, and in Triton's copy of the CUDA
+# headers) and nv/target (cuda_fp16.h's, via cublas_api.h; in the nvidia-cuda-cccl wheel).
+CUDA_HEADERS = ("cuda_runtime_api.h", "crt/host_defines.h", "nv/target", "cublas_v2.h",
+                "cublasLt.h", "nvtx3/nvToolsExt.h")
+
+
 def cuda_home() -> str | None:
-    """A CUDA toolkit with headers: $CUDA_HOME if it has them, else /usr/local/cuda, else
-    the folder above the real nvcc (a wrapper in /usr/local/bin misleads torch)."""
-    candidates = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"]
-    nvcc = shutil.which("nvcc")
+    """The CUDA toolkit, a folder with ``include/cuda_runtime_api.h``: the one
+    ``$CUDA_HOME`` (else ``$CUDA_PATH``) names where set, as torch takes it (set to a
+    folder without a toolkit, it means none); else /usr/local/cuda, else the folder above
+    the real nvcc (a wrapper in /usr/local/bin misleads torch). None where there is none:
+    builds then take the headers from the wheels (``_cuda_include_folders``)."""
+    named = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+    candidates = [named] if named else ["/usr/local/cuda"]
+    nvcc = None if named else shutil.which("nvcc")
     if nvcc:
         candidates.append(str(Path(os.path.realpath(nvcc)).parent.parent))
     for c in candidates:
-        if c and (Path(c) / "include" / "cuda_runtime_api.h").is_file():
+        if (Path(c) / "include" / "cuda_runtime_api.h").is_file():
             return c
     return None
 
 
-def _wheel_cuda_includes() -> list[str]:
-    """Include folders of the nvidia-* wheels that hold cublas_v2.h (torch's deps)."""
-    found = []
-    for entry in sys.path:
-        nv = Path(entry) / "nvidia"
-        if nv.is_dir():
-            found += [str(h.parent) for h in sorted(nv.glob("*/include/cublas_v2.h"))]
-    return found
+def _wheel_cuda_folders() -> list[Path]:
+    """Include folders of the wheels torch brings that hold CUDA headers: the nvidia-*
+    wheels (the runtime, cuBLAS, NVTX), then Triton's copy of the CUDA headers (which has
+    crt/, which those lack)."""
+    found: list[Path] = []
+    for entry in dict.fromkeys(sys.path):
+        site = Path(entry or ".")
+        found += sorted(site.glob("nvidia/*/include"))
+        found += [t for t in [site / "triton" / "backends" / "nvidia" / "include"]
+                  if t.is_dir()]
+    nvidia = [f for f in found if f.parent.parent.name == "nvidia"]
+    return list(dict.fromkeys([*nvidia, *(f for f in found if f not in nvidia)]))
+
+
+def _wheel_cudart() -> Path | None:
+    """The CUDA runtime library of torch's nvidia-* wheels (``libcudart.so.<major>``)."""
+    for entry in dict.fromkeys(sys.path):
+        for lib in sorted(Path(entry or ".").glob("nvidia/*/lib/libcudart.so.*")):
+            return lib
+    return None
+
+
+def _cuda_include_folders(home: str | None) -> tuple[list[Path], list[str]]:
+    """The folders a build takes the CUDA headers from, in search order, and the headers of
+    ``CUDA_HEADERS`` none of them has. A folder is taken where it has a header that no
+    folder before it has: the toolkit first, then the wheels."""
+    candidates = ([Path(home) / "include"] if home else []) + _wheel_cuda_folders()
+    folders: list[Path] = []
+    missing = list(CUDA_HEADERS)
+    for folder in candidates:
+        have = [h for h in missing if (folder / h).is_file()]
+        if have:
+            folders.append(folder)
+            missing = [h for h in missing if h not in have]
+    return folders, missing
+
+
+def _cuda_lib(home: str | None) -> tuple[str, ...] | None:
+    """The link flags of the CUDA runtime library: the toolkit's, else the wheel's."""
+    if home:
+        for d in ("lib64", "lib"):
+            if (Path(home) / d / "libcudart.so").exists():
+                return f"-L{Path(home) / d}", "-lcudart"
+    lib = _wheel_cudart()  # where torch loads it from, as the loader is told too
+    return (f"-L{lib.parent}", f"-l:{lib.name}", f"-Wl,-rpath,{lib.parent}") \
+        if lib is not None else None
+
+
+# The wheels of CUDA 13 that hold the headers torch's own CUDA wheels lack.
+_HEADER_WHEELS = {"crt/host_defines.h": "nvidia-cuda-crt", "nv/target": "nvidia-cuda-cccl"}
+
+
+def _wheel_hint(missing: Sequence[str]) -> str:
+    """How to get ``missing`` headers from the package index instead of a toolkit, where
+    torch's CUDA is 13 and they are among those that only miss from its wheels."""
+    major = (torch.version.cuda or "0").split(".")[0]
+    if not missing or major != "13" or any(h not in _HEADER_WHEELS for h in missing):
+        return ""
+    wheels = " ".join(f"'{_HEADER_WHEELS[h]}=={major}.*'" for h in missing)
+    return f", or pip install {wheels}"
+
+
+def _where_cuda_was_looked_for(home: str | None) -> str:
+    named = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+    toolkit = (f"the toolkit at {home}" if home else
+               f"no toolkit (CUDA_HOME={named} has none)" if named else
+               "no toolkit (none at /usr/local/cuda or next to nvcc)")
+    wheels = ", ".join(str(f) for f in _wheel_cuda_folders()
+                       if any((f / h).exists() for h in CUDA_HEADERS)) \
+        or "no wheel with CUDA headers on sys.path"
+    return f"{toolkit}; {wheels}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -194,26 +279,54 @@ def toolchain() -> Toolchain:
 @functools.cache
 def _toolchain(gold: bool) -> Toolchain:
     """Flags for a host-only translation unit against torch's stable ABI, on this machine
-    (no GPU needed: only the CUDA runtime's and cuBLAS's headers)."""
+    (no GPU needed: only the CUDA runtime's, cuBLAS's and NVTX's headers, from a CUDA
+    toolkit or from the wheels torch brings). A BuildError saying what is missing where a
+    build cannot run here."""
+    cxx = tuple(shlex.split(os.environ.get("CXX") or "c++"))
     home = cuda_home()
-    if home is None:
-        raise BuildError("codegen: no CUDA toolkit with headers found (looked at $CUDA_HOME, "
-                         "/usr/local/cuda and next to nvcc); set CUDA_HOME")
+    folders, missing = _cuda_include_folders(home)
+    cuda_lib = _cuda_lib(home)
+    problems = []
+    if not cxx or shutil.which(cxx[0]) is None:
+        problems.append(f"no C++ compiler: {cxx[0] if cxx else '$CXX'!r} is not on PATH "
+                        "(install g++, or set CXX to a C++20 compiler)")
+    if torch.version.cuda is None:
+        problems.append(f"torch {torch.__version__} is built without CUDA (the programs "
+                        "link libtorch_cuda); install a CUDA build of torch")
+    elif missing or cuda_lib is None:
+        what = [*missing, *(["libcudart.so"] if cuda_lib is None else [])]
+        problems.append(f"no {', '.join(what)} (looked in: {_where_cuda_was_looked_for(home)}"
+                        f"); install the CUDA toolkit {torch.version.cuda} and set CUDA_HOME "
+                        f"to it{_wheel_hint(missing)}")
+    if problems:
+        raise BuildError(f"codegen: cannot build C++ here: {'; '.join(problems)}")
+    assert cuda_lib is not None
     torch_dir = Path(torch.__file__).resolve().parent
     cflags = (
         "-std=c++20", "-fPIC", *CFLAGS, f"-DCODEGEN_RT_ABI=r{runtime_headers_digest()[:16]}",
-        f"-isystem{torch_dir / 'include'}", f"-isystem{Path(home) / 'include'}",
-        # After the toolkit's own include folder: the wheels also carry a partial runtime.
-        *(f"-idirafter{d}" for d in _wheel_cuda_includes()),
+        f"-isystem{torch_dir / 'include'}", f"-isystem{folders[0]}",
+        # After the first folder (the toolkit's, where there is one): the wheels each
+        # carry a partial CUDA runtime, of another version than the toolkit's.
+        *(f"-idirafter{d}" for d in folders[1:]),
     )
-    cuda_lib = next((str(Path(home) / d) for d in ("lib64", "lib")
-                     if (Path(home) / d).is_dir()), str(Path(home) / "lib64"))
     # gold links against libtorch's large symbol tables in half the time of GNU ld.
     linker = (GOLD,) if gold and shutil.which("ld.gold") else ()
     ldflags = ("-shared", *linker, f"-L{torch_dir / 'lib'}", "-lc10", "-ltorch_cpu",
-               "-ltorch_cuda", "-ltorch", f"-L{cuda_lib}", "-lcudart",
-               f"-Wl,-rpath,{torch_dir / 'lib'}")
-    return Toolchain(tuple(shlex.split(os.environ.get("CXX") or "c++")), cflags, ldflags)
+               "-ltorch_cuda", "-ltorch", *cuda_lib, f"-Wl,-rpath,{torch_dir / 'lib'}")
+    return Toolchain(cxx, cflags, ldflags)
+
+
+def toolchain_problem() -> str | None:
+    """What keeps builds from running on this machine (no C++ compiler, a torch without
+    CUDA, CUDA headers found nowhere, no ninja), as the BuildError a build would raise
+    says it; None where builds can run. The one check the tests skip builds by and the
+    demo falls back to the evaluator by."""
+    try:
+        toolchain()
+        _ninja_on_path()
+    except BuildError as e:
+        return str(e)
+    return None
 
 
 def _timed_out(what: str, seconds: float, log_path: Path) -> _BuildTimeout:
@@ -293,7 +406,7 @@ def _precompiled_runtime(tools: Toolchain) -> Iterator[Path | None]:
         except _BuildTimeout:
             raise  # a hung compiler would hang on the program too
         except (BuildError, OSError) as e:
-            print(f"codegen: building without a precompiled runtime ({e})", file=sys.stderr)
+            log.warning("building without a precompiled runtime (%s)", e)
             users.close()
             folder = None
         yield folder
@@ -395,6 +508,20 @@ def _exclusive(folder: Path) -> Iterator[None]:
             yield
         finally:
             fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _ninja_flags(flags: Sequence[str]) -> list[str]:
+    """``flags`` as they must be written into build.ninja: cpp_extension joins them with
+    spaces into a ninja variable, and ninja hands the command to ``/bin/sh``; so each is
+    quoted for the shell (a path with a space stays one argument) and its ``$`` doubled
+    for ninja. Flags without such characters are unchanged."""
+    return [shlex.quote(f).replace("$", "$$") for f in flags]
+
+
+def _failed_target(log: str) -> str | None:
+    """The target of ninja's first failed step (``FAILED: [code=1] name.o``), or None."""
+    match = re.search(r"^FAILED: (?:\[code=\d+\] )?(\S+)", log, re.MULTILINE)
+    return match[1] if match else None
 
 
 # Lines of a ninja log that are not diagnostics: its progress lines and echoed commands.
@@ -574,8 +701,9 @@ def _cpp_extension_build(entry: _Entry, tools: Toolchain, includes: list[str]) -
         try:
             cpp_extension.load(
                 entry.name, [str(entry.source)],
-                extra_cflags=[*tools.cflags, *includes],
-                extra_ldflags=[f for f in tools.ldflags if f != "-shared"],  # it adds -shared
+                extra_cflags=_ninja_flags([*tools.cflags, *includes]),
+                extra_ldflags=_ninja_flags([f for f in tools.ldflags
+                                            if f != "-shared"]),  # it adds -shared
                 build_directory=str(entry.folder), is_python_module=False, with_cuda=False)
             built = None
         except RuntimeError as e:  # ninja's failure ("Error building extension ...")
@@ -592,7 +720,9 @@ def _cpp_extension_build(entry: _Entry, tools: Toolchain, includes: list[str]) -
         entry.log.write_text(f"{log}\n(stopped after {timeout:g} s)\n")
         raise _timed_out(entry.name, timeout, entry.log)
     entry.log.write_text(log)
-    error = _LinkError if entry.object.is_file() else BuildError
+    # A link error only where ninja's failed step is the link: the compiler can fail and
+    # still leave an object (an argument it could not read beside the source it compiled).
+    error = _LinkError if _failed_target(log) == entry.library.name else BuildError
     raise error(f"codegen: building {entry.name} failed: {_first_error(log)}\n"
                 f"full log: {entry.log}")
 
@@ -622,9 +752,8 @@ def _compile(entry: _Entry, source: str, key: str, full_torch: bool = False) -> 
             # keeps the object); where that works, gold was the trouble: off from now on.
             _cpp_extension_build(entry, _tools(full_torch, gold=False), includes)
             _gold_failed.set()
-            print(f"codegen: gold could not link here, the default linker could; linking "
-                  f"with it from now on ({str(gold_error).splitlines()[0]})",
-                  file=sys.stderr)
+            log.warning("gold could not link here, the default linker could; linking with "
+                        "it from now on (%s)", str(gold_error).splitlines()[0])
     entry.stamp.write_text(f"{key} {_digest(entry.library.read_bytes())}\n")
     return time.perf_counter() - start
 
@@ -641,6 +770,33 @@ def _check_loaded(name: str, key: str) -> Path | None:
             "program (a hash-prefix collision, or a source changed under one name); "
             "rename the Fusion, or start a new process")
     return library
+
+
+@contextlib.contextmanager
+def _progress(name: str, why: str) -> Iterator[None]:
+    """Logs one line, saying ``why`` it may be slow, if the build of ``name`` is still
+    running after ``PROGRESS_AFTER_S``: a long wait is not a silent one."""
+    timer = threading.Timer(PROGRESS_AFTER_S, log.info, args=(
+        "still building %s after %g s (%s) ...", name, PROGRESS_AFTER_S, why))
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
+
+
+def prepare() -> None:
+    """Builds what the first program of a cache builds besides itself: the precompiled
+    runtime and ``codegen_no_backward``; afterwards a program's build time is its own."""
+    try:
+        _private(cache_root(), parents=True)
+    except OSError as e:
+        raise BuildError(f"codegen: cannot create the build cache {cache_root()} ({e}); "
+                         "set CODEGEN_CACHE_DIR to a writable folder") from None
+    with _precompiled_runtime(toolchain()):
+        pass
+    _no_backward()
 
 
 def build_library(name: str, source: str | Callable[[], str], key: str | None = None, *,
@@ -682,10 +838,14 @@ def build_library(name: str, source: str | Callable[[], str], key: str | None = 
         # (cpp_extension.load does).
         with _exclusive(entry.folder):
             if rebuild or not entry.valid(full_key):
-                seconds = _compile(entry, source() if callable(source) else source, full_key,
-                                   full_torch)
-                print(f"codegen: built {name} in {seconds:.1f} s ({entry.folder})",
-                      file=sys.stderr, flush=True)
+                log.info("building %s ...", name)
+                why = ("against torch's full C++ headers, once per cache and torch"
+                       if full_torch else "the first build of a cache also precompiles the "
+                       "runtime's headers, once")
+                with _progress(name, why):
+                    seconds = _compile(entry, source() if callable(source) else source,
+                                       full_key, full_torch)
+                log.info("built %s in %.1f s (%s)", name, seconds, entry.folder)
             else:
                 torch.ops.load_library(str(entry.library))
         with _lock:
@@ -741,7 +901,7 @@ def _no_backward() -> Callable[[bytes], int] | None:
                                 full_torch=True)
         register = ctypes.CDLL(str(library)).codegen_register_no_backward
     except (BuildError, OSError, AttributeError) as e:  # not built, not loaded, no symbol
-        print(f"codegen: ops get a Python autograd kernel instead ({e})", file=sys.stderr)
+        log.warning("ops get a Python autograd kernel instead (%s)", e)
         return None
     register.argtypes, register.restype = [ctypes.c_char_p], ctypes.c_int
     return register
@@ -793,8 +953,8 @@ def _register_python_parts(program: hir.HostProgram, qualname: str, overload: An
     if register is not None and register(qualname.split("::")[1].encode()) == 0:
         return
     if register is not None:
-        print(f"codegen: {qualname} gets a Python autograd kernel (registering torch's C++ "
-              "one failed)", file=sys.stderr)
+        log.warning("%s gets a Python autograd kernel (registering torch's C++ one failed)",
+                    qualname)
     torch.library.register_autograd(qualname, backward)
 
 

@@ -93,7 +93,8 @@ def _environment() -> jinja2.Environment:
 # (builder.py's flags key the build cache instead.)
 _NOT_SHAPING_CPP = frozenset({"builder.py", "evaluator.py", "timeline.py", "demo.py",
                               "__main__.py", "timing.py", "collectives.py", "races.py",
-                              "autograd.py", "distributed/evaluation.py"})
+                              "autograd.py", "distributed/evaluation.py", "__init__.py",
+                              "version.py"})
 # Subpackages that only call compiled programs (offloading a model), likewise.
 _NOT_SHAPING_PACKAGES = ("nn/",)
 

@@ -398,6 +398,7 @@ int main() {
 """
 
 
+@pytest.mark.build
 def test_activation_derivatives_match_torch(tmp_path):
     """The prelude's derivatives (compiled for the host, as the kernels' device functions
     are written) against torch's silu_backward and gelu_backward, in float and double."""
@@ -428,6 +429,7 @@ def test_activation_derivatives_match_torch(tmp_path):
     assert not math.isnan(got.sum())
 
 
+@pytest.mark.build
 def test_backward_programs_build(cache_dir):
     """The backward's C++ (MatmulTN, SumRows, the GELU-derivative kernel, host gradients
     copied out) builds and loads without a GPU."""
@@ -441,6 +443,7 @@ def test_backward_programs_build(cache_dir):
         assert "gemms.matmul_tn" in op.source
 
 
+@pytest.mark.build
 def test_a_linear_applied_twice_sums_its_gradients_and_builds(cache_dir):
     """One weight and bias read by two linears: dW's two GEMMs become one accumulating
     onto the other; the bias gradient's two row sums stay an add (a row sum does not
@@ -507,3 +510,41 @@ def test_a_saved_result_that_is_an_output_is_saved_once():
     touts, tgrads = _torch_grads(fn, inputs, weights)
     for got, want in zip(outs + grads, touts + tgrads):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_the_evaluator_derives_a_programs_backward_once(monkeypatch):
+    """A model calls one program again and again (an offloaded Linear per layer): its
+    backward is derived and lowered on the first call that records, not on every call."""
+    calls = []
+
+    def counting(fusion, wanted):
+        calls.append(wanted)
+        return derive(fusion, wanted)
+
+    derive = autograd.derive
+    monkeypatch.setattr(autograd, "derive", counting)
+    program = cg.lower(examples.llama_mlp(F64, 2))
+    shapes = [(5, 4), (7, 4), (7, 4), (4, 7)]
+    for _ in range(10):
+        leaves = [torch.randn(*s, dtype=F64, requires_grad=True) for s in shapes]
+        cg.evaluate(program, leaves)[0].sum().backward()
+        assert all(x.grad is not None for x in leaves)
+    assert calls == [(True, True, True, True)]
+    x = torch.randn(5, 4, dtype=F64, requires_grad=True)  # another set of wanted inputs
+    for _ in range(3):
+        cg.evaluate(program, [x, *(torch.randn(*s, dtype=F64) for s in shapes[1:])])
+    assert calls == [(True, True, True, True), (True, False, False, False)]
+
+
+def test_the_evaluators_derived_programs_go_with_their_program():
+    import gc
+
+    program = cg.lower(examples.llama_mlp(F64, 2))
+    leaves = [torch.randn(*s, dtype=F64, requires_grad=True)
+              for s in [(5, 4), (7, 4), (7, 4), (4, 7)]]
+    cg.evaluate(program, leaves)[0].sum().backward()
+    key = id(program)
+    assert key in autograd._evaluator_runners
+    del program, leaves
+    gc.collect()
+    assert key not in autograd._evaluator_runners

@@ -11,7 +11,7 @@ from helpers import BATCHED_SHAPES, BATCHED_TORCH, batched
 import codegen as cg
 from codegen import examples
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.build]
 
 
 def _llama(x, wg, wu, wd):

@@ -320,6 +320,7 @@ def test_bench_matmul_without_gpu_says_so():
 # ---------------------------------------------------------------------------- launch floor
 
 
+@pytest.mark.build
 def test_launch_floor_builds_without_gpu(cache_dir):
     """The C++ loop compiles and registers its op here (it runs only on a GPU); built in
     the session's cache, so ninja rebuilds it only when the source changed."""
@@ -417,6 +418,7 @@ def test_host_cost_says_it_needs_a_gpu():
     assert done.returncode == 1 and "needs a CUDA GPU" in done.stderr
 
 
+@pytest.mark.build
 def test_host_cost_ladder_builds_and_registers_each_step(cache_dir):
     from benchmarks import host_cost
     from codegen.builder import build_library

@@ -44,6 +44,7 @@ def test_every_hir_line_appears_in_the_cpp():
 
 
 @pytest.mark.parametrize("name", sorted(EXAMPLES))
+@pytest.mark.build
 def test_example_builds_and_loads(ops, name):
     op = ops[name]
     assert op.name.startswith(f"codegen::{name}_")
@@ -53,6 +54,7 @@ def test_example_builds_and_loads(ops, name):
 
 
 @pytest.mark.parametrize("name", sorted(EXAMPLES))
+@pytest.mark.build
 def test_meta_tensors_give_output_shapes(ops, name):
     ex = EXAMPLES[name]
     dtype = ex.make().inputs[0].dtype
@@ -65,6 +67,7 @@ def test_meta_tensors_give_output_shapes(ops, name):
     assert out.shape == expect.shape and out.dtype == dtype
 
 
+@pytest.mark.build
 def test_fake_tensor_mode(ops):
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -74,12 +77,14 @@ def test_fake_tensor_mode(ops):
     assert out.shape == (37, 20)
 
 
+@pytest.mark.build
 def test_cpu_tensors_get_a_clear_error(ops):
     with pytest.raises(RuntimeError, match="matmul_rows: argument T0 must be a CUDA tensor, "
                                            "got a tensor on cpu"):
         ops["matmul_rows"](torch.ones(4, 3), torch.ones(3, 2))
 
 
+@pytest.mark.build
 def test_fusion_names_that_are_cpp_words_build(cache_dir):
     """The C++ function is <name>_program: a keyword, a macro or an overloaded C
     function as a Fusion's name builds."""
@@ -91,6 +96,7 @@ def test_fusion_names_that_are_cpp_words_build(cache_dir):
         assert f'const char* const op = "{name}";' in op.source
 
 
+@pytest.mark.build
 def test_a_program_of_host_inputs_needs_a_gpu_to_run(cache_dir):
     with cg.Fusion("host_only") as fusion:
         out = cg.matmul(cg.input(["m", "k"], device="cpu"), cg.input(["k", "n"], device="cpu"))
@@ -109,11 +115,13 @@ def test_build_takes_a_host_program():
         cg.build(EXAMPLES["matmul_rows"].make())
 
 
+@pytest.mark.build
 def test_missing_argument_is_refused_by_the_schema(ops):
     with pytest.raises((RuntimeError, TypeError), match="T1"):
         ops["matmul_rows"](torch.ones(4, 3, device="meta"))
 
 
+@pytest.mark.build
 def test_two_programs_in_one_process_do_not_collide(ops):
     names = {op.name for op in ops.values()}
     assert len(names) == len(ops)
@@ -135,6 +143,7 @@ print(op(torch.empty(5, 7, device="meta"), torch.empty(7, 6, device="meta")).sha
 """
 
 
+@pytest.mark.build
 def test_second_process_loads_from_cache_without_compiling(ops, cache_dir):
     first = _run(LOAD_STREAM_MATMUL, cache_dir)
     assert first.returncode == 0, first.stderr
@@ -142,12 +151,14 @@ def test_second_process_loads_from_cache_without_compiling(ops, cache_dir):
     assert "torch.Size([5, 6])" in first.stdout
 
 
+@pytest.mark.build
 def test_rebuild_env_forces_a_build(ops, cache_dir):
     run = _run(LOAD_STREAM_MATMUL, cache_dir, CODEGEN_REBUILD="1")
     assert run.returncode == 0, run.stderr
     assert "codegen: built stream_matmul_n_" in run.stderr
 
 
+@pytest.mark.build
 def test_corrupt_library_is_detected_and_rebuilt(tmp_path):
     first = _run(LOAD_STREAM_MATMUL, tmp_path)
     assert first.returncode == 0 and "codegen: built" in first.stderr, first.stderr
@@ -159,6 +170,7 @@ def test_corrupt_library_is_detected_and_rebuilt(tmp_path):
     assert "torch.Size([5, 6])" in second.stdout
 
 
+@pytest.mark.build
 def test_compile_error_names_the_first_error_and_the_log(cache_dir):
     with pytest.raises(BuildError, match=r"building broken_op failed: .*error.*\nfull log: "
                                          r".*build.log") as info:
@@ -168,6 +180,7 @@ def test_compile_error_names_the_first_error_and_the_log(cache_dir):
     assert len(str(info.value).splitlines()) == 2  # not the whole log
 
 
+@pytest.mark.build
 def test_unwritable_cache_dir_is_a_clear_error(tmp_path, monkeypatch):
     blocker = tmp_path / "a_file"
     blocker.write_text("")
@@ -176,6 +189,7 @@ def test_unwritable_cache_dir_is_a_clear_error(tmp_path, monkeypatch):
         build_library("never_built", "// nothing")
 
 
+@pytest.mark.build
 def test_fake_impl_checks_inputs_like_the_op(ops):
     rows = ops["matmul_rows"]
     with pytest.raises(ValueError, match="argument T1 axis 0 must have size k = 24, got 5"):
@@ -185,6 +199,7 @@ def test_fake_impl_checks_inputs_like_the_op(ops):
                                                                                 device="meta"))
 
 
+@pytest.mark.build
 def test_too_many_arguments(ops):
     m = torch.empty(2, 2, device="meta")
     with pytest.raises((RuntimeError, TypeError), match="(?i)argument|expected"):
@@ -192,6 +207,7 @@ def test_too_many_arguments(ops):
 
 
 @pytest.mark.parametrize("call", ["compiled_op", "torch_ops"])
+@pytest.mark.build
 def test_inputs_that_require_grad_get_a_backward(ops, call):
     """Whoever calls the op, autograd records it, and backward runs the derived backward
     program (on meta tensors, its fake kernel: the shapes)."""
@@ -214,6 +230,7 @@ def _autograd_kernel(name):
     return line
 
 
+@pytest.mark.build
 def test_a_backward_program_gets_torchs_cpp_no_backward_kernel(ops):
     """A differentiable op's autograd kernel is the Python one of codegen.autograd (the
     compiled op calls below it when nothing records, so no trip through Python then); a
@@ -227,6 +244,7 @@ def test_a_backward_program_gets_torchs_cpp_no_backward_kernel(ops):
     assert "codegen_no_backward.cpp" in _autograd_kernel(backward.name)
 
 
+@pytest.mark.build
 def test_two_outputs_and_an_op_outside_any_loop_build(cache_dir):
     with cg.Fusion("two_outputs") as fusion:
         a, w1, w2 = cg.input(["m", "k"]), cg.input(["k", "n"]), cg.input(["n", "p"])
@@ -246,6 +264,7 @@ def test_two_outputs_and_an_op_outside_any_loop_build(cache_dir):
 
 
 @pytest.mark.parametrize("name", sorted(DISTRIBUTED_EXAMPLES))
+@pytest.mark.build
 def test_distributed_example_builds_and_gives_shapes(cache_dir, name):
     ex = DISTRIBUTED_EXAMPLES[name]
     op = cg.compile(ex.make())

@@ -7,6 +7,10 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.build  # every test here builds C++
+
 REPO = Path(__file__).resolve().parent.parent
 
 COMPILE = """

@@ -21,6 +21,8 @@ import codegen as cg
 from codegen.examples import matmul_rows
 from codegen.renderer import include_dir
 
+pytestmark = pytest.mark.build  # every test here builds C++
+
 builder = importlib.import_module("codegen.builder")  # cg.build is the function
 
 RUNTIME_PROGRAM = '#include "codegen/runtime.h"\nint {name}_probe() {{ return 1; }}\n'
@@ -143,6 +145,74 @@ def test_a_build_loads_its_library_once_under_the_entry_lock(cache_dir, monkeypa
     assert loads == [(str(library), True)]
     assert (library.parent / "ok").read_text().split()[1] == builder._digest(
         library.read_bytes())
+
+
+def _headers_compiled(folder: Path) -> list[str]:
+    """The files ninja recorded as read by the compile of ``folder``'s object (its deps
+    log, from the compiler's -MMD): the runtime's headers appear only where the compiler
+    read them rather than the precompiled runtime."""
+    deps = subprocess.run(["ninja", "-t", "deps"], cwd=folder, capture_output=True,
+                          text=True, check=True).stdout
+    return [line.strip() for line in deps.splitlines()[1:] if line.strip()]
+
+
+def test_a_cache_path_with_a_space_builds_with_the_precompiled_runtime(cache_dir, tmp_path,
+                                                                       monkeypatch):
+    spaced = tmp_path / "a cache"
+    spaced.symlink_to(cache_dir)  # the session's cache (and its runtime) under a spaced path
+    monkeypatch.setenv("CODEGEN_CACHE_DIR", str(spaced))
+    monkeypatch.setenv("CODEGEN_REBUILD", "1")  # a build, not a load from the cache
+    library = builder.build_library("spaced_probe", RUNTIME_PROGRAM.format(name="spaced"))
+    assert library.parent.parent == spaced
+    ninja = (library.parent / "build.ninja").read_text()
+    (flag,) = shlex.split(re.search(r" ('-I[^']*') -Winvalid-pch ", ninja).group(1))
+    assert Path(flag[2:]).parent == spaced  # quoted for ninja's shell: one argument
+    headers = _headers_compiled(library.parent)
+    assert headers == [str(library.with_suffix(".cpp"))], headers
+
+
+def test_a_relative_cache_dir_is_made_absolute(cache_dir, monkeypatch):
+    monkeypatch.chdir(cache_dir.parent)
+    monkeypatch.setenv("CODEGEN_CACHE_DIR", cache_dir.name)
+    monkeypatch.setenv("CODEGEN_REBUILD", "1")
+    assert builder.cache_root() == cache_dir
+    library = builder.build_library("relative_probe", RUNTIME_PROGRAM.format(name="relative"))
+    assert library.parent.parent == cache_dir
+    headers = _headers_compiled(library.parent)  # ninja ran in the entry's folder
+    assert headers == [str(library.with_suffix(".cpp"))], headers
+
+
+def test_a_failed_compile_that_left_an_object_is_not_taken_for_a_link_error(
+        tmp_path, monkeypatch):
+    """GCC given an input it cannot find beside the source still compiles the source, and
+    fails: ninja's failed step is the compile, so the error is reported once, as a
+    compile error, and the link is not retried without gold."""
+    real = builder._toolchain
+
+    def stray_input(gold: bool) -> builder.Toolchain:
+        tools = real(gold)
+        return dataclasses.replace(tools, cflags=(*tools.cflags, "no_such_input"))
+
+    monkeypatch.setenv("CODEGEN_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(builder, "_gold_failed", threading.Event())
+    monkeypatch.setattr(builder, "_toolchain", stray_input)
+    with pytest.raises(cg.BuildError, match=r"building stray_probe failed: .*no_such_input") \
+            as e:
+        builder.build_library("stray_probe", PLAIN_PROGRAM.format(name="stray"),
+                              full_torch=True)
+    assert not isinstance(e.value, builder._LinkError)
+    (folder,) = tmp_path.glob("stray_probe-*")
+    assert (folder / "stray_probe.o").is_file()  # what made it look like a link error
+    assert not builder._gold_failed.is_set()
+
+
+@pytest.mark.parametrize("log,target", [
+    ("[1/2] c++ ... -c a.cpp -o a.o\nFAILED: a.o \nc++ ...\nninja: build stopped", "a.o"),
+    ("[2/2] c++ a.o -shared -o a.so\nFAILED: [code=1] a.so \nld: cannot find -lx", "a.so"),
+    ("Error building extension 'a': ninja: error: loading 'build.ninja'", None),
+])
+def test_the_failed_step_is_read_from_ninjas_log(log, target):
+    assert builder._failed_target(log) == target
 
 
 # ---------------------------------------------------------------------------- gold

@@ -1,6 +1,7 @@
 """The command line: show, regen, demo (CPU path), and the timeline plot."""
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -42,6 +43,28 @@ def test_regen_writes_only_changed_files(tmp_path):
     assert regen(tmp_path) == ["batched.cpp", "gone.cpp (removed)"]
 
 
+def test_help_is_plain_text_and_lists_the_users_commands():
+    from codegen.__main__ import command_line
+
+    run = subprocess.run([sys.executable, "-m", "codegen", "--help"], capture_output=True,
+                         text=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
+                         timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout == command_line().format_help()
+    for markup in ("``", ":func:", ":class:", "`"):
+        assert markup not in run.stdout
+    assert "{demo,show,timeline}" in run.stdout and "regen" not in run.stdout
+    for command in ("demo", "show", "timeline"):
+        assert f"\n    {command} " in run.stdout  # listed with its help
+
+
+def test_regen_is_a_developers_command_that_still_runs(tmp_path, capsys):
+    assert main(["regen", "--out", str(tmp_path)]) == 0
+    assert "wrote " in capsys.readouterr().out and (tmp_path / "llama_mlp.cpp").is_file()
+    assert main(["regen", "--out", str(tmp_path)]) == 0
+    assert capsys.readouterr().out == "csrc_gen is up to date\n"
+
+
 def test_demo_without_a_gpu(cache_dir):
     env = {**os.environ, "PYTHONPATH": str(REPO), "CODEGEN_CACHE_DIR": str(cache_dir)}
     run = subprocess.run([sys.executable, "-m", "codegen", "demo"], capture_output=True,
@@ -52,6 +75,20 @@ def test_demo_without_a_gpu(cache_dir):
             "stream-ordered (codegen.races)" in run.stdout
         assert "on meta tensors it gives [8192, 8192] torch.bfloat16" in run.stdout
     assert "HostProgram stream_matmul_n" in run.stdout
+    from codegen.builder import toolchain_problem
+
+    problem = toolchain_problem()
+    if problem is not None:  # the evaluator's checks all the same
+        assert run.stdout.startswith(f"not building the C++ ops: {problem}\n")
+        assert "evaluator on CPU, stream_matmul_n: matches torch" in run.stdout
+        return
+    # what the times measure: the cache's shared parts apart, then each op alone
+    assert "the precompiled runtime and the autograd kernel of ops without a backward ready " \
+        "in " in run.stdout
+    ops = [line for line in run.stdout.splitlines() if line.startswith("op:  torch.ops.")]
+    assert len(ops) == 5 and all(
+        re.search(r" \((lowered, rendered and built|loaded from the cache) in \d+\.\d\d s\)$",
+                  line) for line in ops), ops
 
 
 def test_timeline_plot(tmp_path):

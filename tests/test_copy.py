@@ -439,6 +439,7 @@ def cxx(source: Path, out: Path, *flags: str) -> Path:
     return out
 
 
+@pytest.mark.build
 def test_copy_plans_move_every_element_once(tmp_path):
     """copy.h's plan for slices of host tensors in many layouts (row/column-major,
     padded, batched, permuted or expanded batch, vectors; ragged and empty slices) into
@@ -466,6 +467,7 @@ int main() {
 """
 
 
+@pytest.mark.build
 def test_nvtx_ranges_are_named_for_hir_lines_when_a_tool_is_attached(tmp_path):
     source = tmp_path / "ranges.cpp"
     source.write_text(NVTX_PROGRAM)
@@ -615,6 +617,7 @@ def batched_host_operand():
 
 
 @pytest.mark.parametrize("make", [matmul_without_a_loop, host_reads_whole, batched_host_operand])
+@pytest.mark.build
 def test_host_programs_build(cache_dir, make):
     op = cg.compile(make())
     assert op.library.is_file()
@@ -755,6 +758,7 @@ print("CAUGHT", [(c.category.__name__, str(c.message).splitlines()[0]) for c in 
 """
 
 
+@pytest.mark.build
 def test_pageable_warning_is_printed_once_per_process(cache_dir):
     """rt::warn_pageable_once (host.h) from two separately built libraries, twice each:
     one warning (the flag is one symbol for the whole process, though each library hides
@@ -773,6 +777,7 @@ def test_pageable_warning_is_printed_once_per_process(cache_dir):
             "to overlap them. (codegen warns once per process.)") in run.stderr, run.stderr
 
 
+@pytest.mark.build
 def test_fake_impl_puts_outputs_where_the_op_does(cache_dir):
     from torch._subclasses.fake_tensor import FakeTensorMode
 

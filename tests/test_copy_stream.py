@@ -205,6 +205,7 @@ def test_copy_stream_cpp():
 
 
 @pytest.mark.parametrize("make", [ex.stream_weights, ex.offload_activations])
+@pytest.mark.build
 def test_copy_stream_op_builds(cache_dir, make):
     op = cg.compile(make(torch.bfloat16, 8), copy_stream=True)
     assert op.library.is_file()

@@ -213,6 +213,7 @@ def test_gradients_through_either_choice(monkeypatch, rows):
     assert torch.equal(xg.grad, dy @ w.T) and torch.equal(wg.grad, x.T @ dy)
 
 
+@pytest.mark.build
 def test_compiled_op_builds_both_loops_and_picks_per_call(cache_dir, monkeypatch):
     op = cg.compile(weights(dtype=torch.bfloat16), split_contraction="auto")
     assert op.alternative is not None and op.alternative.host_ir is op.host_ir.alternative
@@ -253,6 +254,7 @@ def test_cli_shows_both_loops():
     assert "\n".join(f"// {line}" for line in program.choice_lines()) in cpp
 
 
+@pytest.mark.build
 def test_torch_compile_traces_the_loop_each_shape_picks(cache_dir):
     """Traced with m dynamic, the choice is one guard, m < threshold: calls below it share
     one graph (calling the row loop's op), calls above it another (the column loop's)."""

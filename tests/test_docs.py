@@ -114,3 +114,46 @@ def test_the_runtime_excerpt_is_the_generated_cpp():
     block = text.split("```cpp\n", 1)[1].split("```")[0]
     cpp = (ROOT / "csrc_gen" / "two_matmuls.cpp").read_text().splitlines()
     assert _excerpt_mismatch(block.splitlines(), cpp) is None
+
+
+# ---------------------------------------------------------------------------- examples
+
+EXAMPLE = re.compile(r"^```python\n(.*?)^```", re.MULTILINE | re.DOTALL)
+NEEDS_A_GPU = "# needs a GPU"
+EXAMPLE_DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+
+def examples(doc):
+    """The ```python blocks of ``doc``, in order."""
+    return EXAMPLE.findall(doc.read_text())
+
+
+EXAMPLES = [(doc, i) for doc in EXAMPLE_DOCS for i in range(len(examples(doc)))]
+
+
+def _run_example(doc, i, gpu):
+    """Runs the blocks of ``doc`` up to block ``i`` in one namespace, as a reader pasting
+    them one after another would (a later block may use what an earlier one made). Blocks
+    that need a GPU are compiled, and run only with one."""
+    namespace = {"__name__": f"example_{doc.stem}"}
+    for k, block in enumerate(examples(doc)[:i + 1]):
+        code = compile(block, f"{doc.name}, python block {k + 1}", "exec")
+        if block.startswith(NEEDS_A_GPU) and not gpu:
+            if k == i:
+                pytest.skip(f"{doc.name}, python block {k + 1}: {NEEDS_A_GPU}")
+            continue
+        exec(code, namespace)
+
+
+@pytest.mark.build
+@pytest.mark.parametrize("doc,i", EXAMPLES, ids=[f"{d.name}-{i + 1}" for d, i in EXAMPLES])
+def test_the_python_examples_run_as_shown(doc, i, cache_dir, capsys):
+    _run_example(doc, i, torch.cuda.is_available())
+
+
+def test_examples_are_found_and_those_needing_a_gpu_say_so_first():
+    assert len(EXAMPLES) >= 7
+    for doc, i in EXAMPLES:
+        block = examples(doc)[i]
+        if "cuda" in block and "is_available" not in block:
+            assert block.startswith(NEEDS_A_GPU + "\n"), f"{doc.name}, python block {i + 1}"

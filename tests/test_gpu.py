@@ -9,7 +9,7 @@ from conftest import ints
 import codegen as cg
 from codegen import examples as ex
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.build]
 CUDA = "cuda"
 
 

@@ -353,6 +353,7 @@ def test_two_gemm_results_added_become_one_accumulating_gemm():
     assert _computes(_lowered(broadcast))[-1].startswith("Add(")
 
 
+@pytest.mark.build
 def test_the_accumulating_gemm_in_cpp(cache_dir):
     with cg.Fusion("gemm_sum") as fusion:
         x, w1 = cg.input(["m", "k"], name="x"), cg.input(["k", "n"], name="w1")

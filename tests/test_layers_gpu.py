@@ -9,7 +9,7 @@ from conftest import ints
 import codegen as cg
 from codegen import examples
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.build]
 
 
 def llama_ref(x, w_gate, w_up, w_down):

@@ -366,10 +366,12 @@ def compile_in_cpp(harness, generated: str, arity: int, arch: int) -> tuple[int,
     return size, cubin.raw[:max(size, 0)], message.value.decode()
 
 
+@pytest.mark.build
 def test_header_builds_with_the_program_toolchain(harness):
     assert harness.rtpw_pointwise()
 
 
+@pytest.mark.build
 def test_header_compiles_a_kernel_through_nvrtc(harness):
     """The C++ side end to end short of the GPU: NVRTC found and opened by the header,
     its builtins reachable, the source assembled with CG_ARITY, a cubin for sm_90."""
@@ -382,6 +384,7 @@ def test_header_compiles_a_kernel_through_nvrtc(harness):
     assert "libnvrtc.so" in path
 
 
+@pytest.mark.build
 def test_nvrtc_is_looked_for_beside_torch(harness):
     """By name first (torch's CUDA library links NVRTC, so a process has it loaded), then
     in the CUDA wheels that sit beside torch in site-packages."""
@@ -396,6 +399,7 @@ def test_nvrtc_is_looked_for_beside_torch(harness):
     assert candidates[5:] == ["/usr/local/cuda/lib64/libnvrtc.so"]
 
 
+@pytest.mark.build
 def test_compile_error_names_op_kernel_and_log(harness):
     if _nvrtc() is None:
         pytest.skip("needs NVRTC from torch's CUDA wheels")
@@ -407,6 +411,7 @@ def test_compile_error_names_op_kernel_and_log(harness):
     assert broken in message
 
 
+@pytest.mark.build
 def test_unsupported_arch_is_an_error(harness):
     if _nvrtc() is None:
         pytest.skip("needs NVRTC from torch's CUDA wheels")
@@ -420,22 +425,26 @@ def call(harness, which: int) -> str | None:
     return message.value.decode() if harness.rtpw_call(which, message, len(message)) else None
 
 
+@pytest.mark.build
 def test_pointwise_of_an_empty_output_queues_nothing(harness):
     assert call(harness, 0) is None  # no CUDA call: it would fail here
 
 
+@pytest.mark.build
 def test_pointwise_size_mismatch_names_op_kernel_input_and_shapes(harness):
     assert call(harness, 1) == (
         "rtpw: pointwise kernel Mul(T3_i, T4_i, out=T5_i): input 1 has shape [4, 7], which "
         "does not broadcast to the output's shape [4, 8] (a bug in codegen)")
 
 
+@pytest.mark.build
 def test_pointwise_arity_mismatch(harness):
     assert call(harness, 2) == ("rtpw: pointwise kernel Mul(T3_i, T4_i, out=T5_i) takes 2 "
                                 "inputs, got 1 (a bug in codegen)")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error without a GPU")
+@pytest.mark.build
 def test_pointwise_without_a_gpu_fails_clearly(harness):
     assert call(harness, 3).startswith("rtpw: cudaGetDevice failed: ")
 
@@ -455,6 +464,7 @@ EMULATED = {
 
 
 @pytest.mark.parametrize("name", list(EMULATED))
+@pytest.mark.build
 def test_kernels_emulated_on_the_host(tmp_path, name):
     """The kernel text as host C++ over ~20 layouts, each through the planned kernel,
     the other one where it applies, and one tiny block that makes every loop iterate."""
@@ -491,6 +501,7 @@ int main() {
 """
 
 
+@pytest.mark.build
 def test_activations_and_conversions_match_torch(tmp_path):
     """The prelude's formulas (compiled for the host) against torch's CPU ops in float and
     double, and its 16-bit rounding (the integer bf16 path of archs before sm_80) against
@@ -569,6 +580,7 @@ def checked(harness, which, out, *inputs):
 
 
 @pytest.mark.gpu
+@pytest.mark.build
 def test_gpu_swiglu_matches_torch(harness):
     x, y = torch.randn(2, 1024, 11008, device="cuda", dtype=torch.bfloat16)
     out = checked(harness, SILU_MUL, torch.empty_like(x), x, y)
@@ -577,6 +589,7 @@ def test_gpu_swiglu_matches_torch(harness):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("start, width", [(0, 1376), (1376, 1376), (8, 13), (1, 64)])
+@pytest.mark.build
 def test_gpu_column_slices_write_only_their_columns(harness, start, width):
     """Column blocks of row-major [m, 11008] buffers (row stride 11008): aligned ones take
     the vector kernel, a ragged or misaligned one the tail or the strided kernel."""
@@ -593,6 +606,7 @@ def test_gpu_column_slices_write_only_their_columns(harness, start, width):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("bias_shape", [(4096,), (1, 4096), (300, 1)])
+@pytest.mark.build
 def test_gpu_broadcast_inputs(harness, bias_shape):
     x = torch.randn(300, 4096, device="cuda")
     bias = torch.randn(bias_shape, device="cuda")
@@ -601,6 +615,7 @@ def test_gpu_broadcast_inputs(harness, bias_shape):
 
 
 @pytest.mark.gpu
+@pytest.mark.build
 def test_gpu_strided_input_and_in_place(harness):
     x = torch.randn(512, 300, device="cuda").t()  # [300, 512], column-major
     out = checked(harness, GELU_TANH_F16, torch.empty(300, 512, device="cuda",
@@ -613,6 +628,7 @@ def test_gpu_strided_input_and_in_place(harness):
 
 
 @pytest.mark.gpu
+@pytest.mark.build
 def test_gpu_three_dims_and_doubles(harness):
     a = torch.randn(3, 70, 33, device="cuda", dtype=torch.float64)
     b = torch.randn(70, 1, device="cuda", dtype=torch.float64)
@@ -623,6 +639,7 @@ def test_gpu_three_dims_and_doubles(harness):
 
 
 @pytest.mark.gpu
+@pytest.mark.build
 def test_gpu_graph_capture_needs_a_first_call_and_then_replays(harness):
     x = torch.randn(64, 256, device="cuda")
     out = torch.empty_like(x)

@@ -77,6 +77,7 @@ def harness(cache_dir):
     return lib
 
 
+@pytest.mark.build
 def test_runtime_limit_is_the_compiled_constant(harness):
     assert harness.rtcheck_max_workers() == MAX_POOL_SIZE
 
@@ -90,6 +91,7 @@ def test_the_ring_stream_is_the_position_after_both_sets():
 
 
 @pytest.mark.parametrize("k", [2 * MAX_POOL_SIZE + 1, 10**6, -1])
+@pytest.mark.build
 def test_lease_refuses_streams_past_its_two_sets_of_workers(harness, k):
     out = ctypes.create_string_buffer(512)
     assert harness.rtcheck_worker_refused(k, out, len(out)) == 1

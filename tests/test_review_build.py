@@ -61,6 +61,7 @@ def test_bad_gemm_options_are_schedule_errors(args, message):
         cg.lower(matmul_rows(slices=2), **args)
 
 
+@pytest.mark.build
 def test_a_name_collision_in_one_process_is_an_error_not_a_stale_op(cache_dir):
     # Two programs whose 48-bit names collide reach build_library with one name and two
     # sources: the second must not get the first one's library.
@@ -72,6 +73,7 @@ def test_a_name_collision_in_one_process_is_an_error_not_a_stale_op(cache_dir):
         build_module.build_library("collide_000000000000", two)
 
 
+@pytest.mark.build
 def test_a_name_builds_after_a_failed_build_in_the_same_process(cache_dir):
     with pytest.raises(cg.BuildError):
         build_module.build_library("retry_op", "int f() { return undefined_y; }\n")
@@ -79,6 +81,7 @@ def test_a_name_builds_after_a_failed_build_in_the_same_process(cache_dir):
     assert build_module.build_library("retry_op", good).is_file()
 
 
+@pytest.mark.build
 def test_the_library_is_loaded_under_the_entry_lock(cache_dir, monkeypatch):
     held = []
     real = torch.ops.load_library
@@ -100,6 +103,7 @@ def test_the_library_is_loaded_under_the_entry_lock(cache_dir, monkeypatch):
     assert held == [True]
 
 
+@pytest.mark.build
 def test_cpp_words_and_generated_names_as_tensor_and_extent_names(cache_dir):
     with cg.Fusion("hostile") as f:
         a = cg.input(["i", "device"], name="op")
@@ -122,6 +126,7 @@ def test_cpp_words_and_generated_names_as_tensor_and_extent_names(cache_dir):
                  torch.empty(4, 2, device="meta"))
 
 
+@pytest.mark.build
 def test_programs_share_one_stream_pool_and_thread_lease(cache_dir):
     # Each program is a library with hidden symbols; the pool and the thread's lease are
     # GNU unique symbols (one object per process), named for the runtime headers' hash.

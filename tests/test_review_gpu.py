@@ -10,7 +10,7 @@ from helpers import stream_matmul_rows
 import codegen as cg
 from codegen import evaluator
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.build]
 
 SLEEP_CYCLES = 1_000_000_000  # about 0.5 s at the H200's clock: far longer than queuing
 

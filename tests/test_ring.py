@@ -137,6 +137,7 @@ def test_the_cpp_takes_and_releases_ring_slots():
     assert "rt::staging(" not in source  # no per-call staging
 
 
+@pytest.mark.build
 def test_ring_program_builds_and_loads(cache_dir):
     op = cg.compile(host_linear(name="ring_build"), staging="ring")
     assert "RingSlot" in str(op.host_ir) and hasattr(torch.ops.codegen, op.name.split("::")[1])

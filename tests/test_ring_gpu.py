@@ -10,7 +10,7 @@ from conftest import ints
 import codegen as cg
 from codegen import examples
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.build]
 
 
 def host_linear(dtype, slices, name, bias=False):

@@ -10,6 +10,8 @@ import torch
 
 from codegen.builder import build_library
 
+pytestmark = pytest.mark.build  # every test here builds C++
+
 HARNESS = r"""
 #include "codegen/runtime.h"
 

@@ -17,7 +17,7 @@ from conftest import ints
 import codegen as cg
 from codegen import examples as ex
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.build]
 REPO = Path(__file__).resolve().parent.parent
 
 

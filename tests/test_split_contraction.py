@@ -226,6 +226,7 @@ def test_a_missing_wait_on_a_two_gemm_sum_is_caught():
 # ---------------------------------------------------------------------------- C++
 
 
+@pytest.mark.build
 def test_cpp_zeroes_the_sum_and_accumulates(cache_dir):
     op = cg.build(split_k(4))
     assert "rt::zeros({m, n}, rt::DType::Float32, device, streams.current().handle, op)" \

@@ -16,7 +16,7 @@ import codegen as cg
 from codegen import distributed
 from codegen.examples import allgather_matmul, matmul_reduce_scatter
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.build]
 
 
 def _init_one_nccl_rank(store_path):
