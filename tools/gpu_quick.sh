@@ -4,7 +4,9 @@
 #   bash tools/gpu_quick.sh                            all GPU tests first
 #   bash tools/gpu_quick.sh tests/test_layers_gpu.py   a subset
 #   BENCH="copy matmul" bash tools/gpu_quick.sh        also benchmarks.bench_copy / bench_matmul
-#   BENCH=offload bash tools/gpu_quick.sh              also offload_llama, slices 2 / 8 / 16
+#   BENCH=offload bash tools/gpu_quick.sh              also offload_llama (prefill, decode eager
+#                                                      and replayed, generate) and where the
+#                                                      host waits in generate
 export CODEGEN_CACHE_DIR=${CODEGEN_CACHE_DIR:-/tmp/cgc2} PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 export PYTHONPATH=.
 OUT=${OUT:-/tmp}; mkdir -p $OUT/bm
@@ -21,5 +23,6 @@ case " $BENCH " in *" matmul "*)
   timeout ${BENCH_S:-90} python3 -m benchmarks.bench_matmul --shapes bf16:8192,bf16:2048 --slices 1,4 --rounds ${BENCH_ROUNDS:-20} --no-plot --out $OUT/bm 2>&1 | tee $OUT/bench.log | tail -12;;
 esac
 case " $BENCH " in *" offload "*)
-  timeout ${OFFLOAD_LLAMA_S:-240} python3 -m benchmarks.offload_llama --rounds ${OFFLOAD_ROUNDS:-3} --tokens ${OFFLOAD_TOKENS:-512,1} --variants codegen,codegen_s2,codegen_s16,prefetch,copy --out $OUT 2>&1 | tee $OUT/offload_llama.log | tail -20;;
+  timeout ${OFFLOAD_LLAMA_S:-300} python3 -m benchmarks.offload_llama --rounds ${OFFLOAD_ROUNDS:-3} --tokens ${OFFLOAD_TOKENS:-512,4096,1} --generate ${OFFLOAD_GENERATE:-8} --variants ${OFFLOAD_VARIANTS:-codegen,prefetch,gpu,copy} --out $OUT 2>&1 | tee $OUT/offload_llama.log | grep -v "^set up" | tail -24
+  timeout ${GAPS_S:-150} python3 -m benchmarks.probes.offload_copy_gaps --generate 8 --configs default 2>&1 | grep -v -i warn | tee $OUT/offload_gaps.log | head -60;;
 esac
