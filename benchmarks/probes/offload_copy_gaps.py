@@ -124,9 +124,12 @@ def generate(model: torch.nn.Module, config: str, n: int) -> None:
         run(4)
     # Where the host waits: the CPU ops and runtime calls that took longest, with the
     # Python frames that called them.
-    table = prof.key_averages(group_by_stack_n=6).table(sort_by="self_cpu_time_total",
-                                                        row_limit=12, max_name_column_width=60)
-    print("\n".join(table.splitlines()[:20]))
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=14,
+                                    max_name_column_width=50))
+    table = prof.key_averages(group_by_stack_n=8).table(sort_by="self_cpu_time_total",
+                                                        row_limit=4, max_name_column_width=40,
+                                                        max_src_column_width=90)
+    print("\n".join(table.splitlines()[:60]))
     copies = sorted((e for e in prof.events() if "HtoD" in e.name),
                     key=lambda e: e.time_range.start)
     gaps = sorted((b.time_range.start - a.time_range.end for a, b in zip(copies, copies[1:])),
