@@ -13,6 +13,7 @@ import shlex
 import shutil
 import signal
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -223,10 +224,11 @@ def test_a_program_is_built_by_cpp_extension_and_ninja_with_the_precompiled_runt
     steps = (folder / ".ninja_log").read_text()
     assert f"\t{name}.o\t" in steps and f"\t{name}.so\t" in steps
     assert str(op.library) in builder.torch.ops.loaded_libraries
-    # ninja's compile command, asked which headers it reads: the .gch ("!": used).
-    command = shlex.split(subprocess.run(["ninja", "-t", "commands", f"{name}.o"], cwd=folder,
-                                         capture_output=True, text=True,
-                                         check=True).stdout.splitlines()[-1])
+    # ninja's compile command (ninja from this interpreter's environment, a dependency, not
+    # whichever is on PATH), asked which headers it reads: the .gch ("!": used).
+    commands = subprocess.run([sys.executable, "-m", "ninja", "-t", "commands", f"{name}.o"],
+                              cwd=folder, capture_output=True, text=True, check=True)
+    command = shlex.split(commands.stdout.splitlines()[-1])
     mmd = command.index("-MMD")
     del command[mmd:mmd + 3]  # -MMD -MF <name>.o.d
     out = command.index("-o")
