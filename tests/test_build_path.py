@@ -16,6 +16,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -182,18 +183,30 @@ def stop_when_parked(monkeypatch, runs: Parked) -> None:
     monkeypatch.setattr(builder, "_deadline_passed", parked_yet)
 
 
-def interrupt_when_parked(runs: Parked) -> threading.Thread:
-    """A thread that sends this process's main thread SIGINT (a KeyboardInterrupt there, as
-    Ctrl-C would) once a compiler run is parked."""
-    main = threading.main_thread().ident
+@contextlib.contextmanager
+def interrupted_when_parked(runs: Parked) -> Iterator[None]:
+    """Expects the block to be interrupted: SIGINT to this process's main thread (there a
+    KeyboardInterrupt, as Ctrl-C gives) once a compiler run is parked."""
+    main, over = threading.main_thread().ident, threading.Event()
 
     def interrupt() -> None:
-        runs.wait_for(1)
+        while not runs.running():
+            if over.wait(0.01):
+                return
         signal.pthread_kill(main, signal.SIGINT)
 
+    # Python makes SIGINT a KeyboardInterrupt only where it was not ignored when the
+    # process started; it is in a job that a shell started in the background.
+    handler = signal.signal(signal.SIGINT, signal.default_int_handler)
     thread = threading.Thread(target=interrupt, daemon=True)
     thread.start()
-    return thread
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            yield
+    finally:
+        over.set()
+        thread.join()
+        signal.signal(signal.SIGINT, handler)
 
 
 def _alive(pid: int) -> bool:
@@ -348,11 +361,9 @@ def test_an_interrupted_build_stops_its_compiler(tmp_path, monkeypatch, fake_cxx
     entry's lock is released."""
     fake_cxx("g++-hang", park_on="*.cpp *")
     monkeypatch.setenv("CODEGEN_CACHE_DIR", str(tmp_path / "cache"))
-    interrupter = interrupt_when_parked(parked)
-    with pytest.raises(KeyboardInterrupt):
+    with interrupted_when_parked(parked):
         builder.build_library("interrupted_probe", PLAIN_PROGRAM.format(name="interrupted"),
                               full_torch=True)
-    interrupter.join()
     hung = parked.running()
     assert hung and not wait_until_exited(hung)
 
@@ -363,11 +374,9 @@ def test_an_interrupted_build_stops_the_precompiled_runtimes_compiler(tmp_path, 
     builder's process group reaches: the builder stops it, on any way out."""
     fake_cxx("g++-hang", park_on="* c++-header *")
     monkeypatch.setenv("CODEGEN_CACHE_DIR", str(tmp_path / "cache"))
-    interrupter = interrupt_when_parked(parked)
-    with pytest.raises(KeyboardInterrupt):
+    with interrupted_when_parked(parked):
         builder.build_library("interrupted_pch_probe",
                               RUNTIME_PROGRAM.format(name="interrupted_pch"))
-    interrupter.join()
     hung = parked.running()
     assert hung and not wait_until_exited(hung)
     assert not list((tmp_path / "cache").glob("runtime-pch-*/codegen/*.partial*"))
