@@ -27,7 +27,10 @@ here, not in the user's shell), so
 cpp_extension needs neither ``CUDA_HOME`` nor ``TORCH_CUDA_ARCH_LIST`` and nothing in
 ``os.environ`` is changed (except ``PATH``, once, where ninja is only next to this
 Python: ``_ninja_on_path``). Each compiler run is stopped after ``CODEGEN_BUILD_TIMEOUT_S``
-(default 600) seconds with a ``BuildError``.
+(default 600) seconds with a ``BuildError``, and when the build is interrupted
+(KeyboardInterrupt, any exception): SIGKILL to the compiler's process groups, then a wait
+until they have exited, since they write into a folder whose lock is about to be released;
+a process that outlives that wait is a ``BuildError`` that names it.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ import hashlib
 import logging
 import os
 import re
+import secrets
 import shlex
 import shutil
 import signal
@@ -338,19 +342,44 @@ def _timed_out(what: str, seconds: float, log_path: Path) -> _BuildTimeout:
 
 def _run(command: list[str], log_path: Path, what: str) -> None:
     """Runs a compiler command; a failure is a BuildError with its first diagnostic, and
-    one that runs past ``build_timeout()`` is stopped (its whole process group)."""
+    one that runs past ``build_timeout()`` is stopped (its whole process group). So is
+    one whose caller is interrupted or fails while it runs (any ``BaseException``)."""
     timeout = build_timeout()
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
+    proc: subprocess.Popen[str] | None = None
+
+    def kill() -> tuple[set[int], set[int]]:
+        return _kill_group(proc.pid) if proc is not None else (set(), set())
+
+    stop = _Stop(f"building {what}", log_path.parent, kill)
     try:
-        output, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
-        _wait_until_exited(lambda pid, pgrp: pgrp == proc.pid)
+        # A session of its own: one killpg stops the compiler and what it started (cc1plus,
+        # as) and nothing of ours. Nothing else stops it either (neither a kill of our
+        # process group nor a terminal's Ctrl-C reaches it): every way out of here does.
+        proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, start_new_session=True)
+        with _Watchdog(timeout, stop, what) as watchdog:
+            while True:
+                try:
+                    output, _ = proc.communicate(timeout=0.1)
+                    break
+                except subprocess.TimeoutExpired:
+                    # Its output ends when every process holding the pipe has exited; one
+                    # that a kill does not end would keep this waiting without a word.
+                    if watchdog.fired:
+                        stop.finish()
+    except _StillRunning:
+        raise  # nothing more to try
+    except BaseException:
+        if proc is not None:
+            stop.finish()
+            proc.wait()  # reaps it
+            if proc.stdout is not None:
+                proc.stdout.close()
+        raise
+    if watchdog.fired and proc.returncode != 0:
+        stop.finish()
         log_path.write_text(f"$ {shlex.join(command)}\n{output}\n(stopped after {timeout:g} s)\n")
-        raise _timed_out(what, timeout, log_path) from None
+        raise _timed_out(what, timeout, log_path)
     if proc.returncode != 0:
         log = f"$ {shlex.join(command)}\n{output}"
         log_path.write_text(log)
@@ -396,15 +425,27 @@ def _precompiled_runtime(tools: Toolchain) -> Iterator[Path | None]:
                         target = folder / h.relative_to(include_dir())
                         target.parent.mkdir(parents=True, exist_ok=True)
                         target.write_bytes(h.read_bytes())
-                    partial = pch.with_suffix(".gch.partial")
-                    _run([*tools.cxx, *tools.cflags, f"-I{folder}", "-x", "c++-header",
-                          str(folder / RUNTIME_HEADER), "-o", str(partial)],
-                         folder / "build.log", "the runtime's precompiled header")
-                    partial.replace(pch)
+                    # Each builder writes a .gch of its own, renamed into place once its
+                    # compiler exited: a compiler whose builder was killed outright (its
+                    # session is its own, so nothing stops it) may go on writing after the
+                    # lock was released, and must not write into the next builder's file.
+                    # Those that killed builders left are removed: one still being
+                    # written, once unlinked, becomes no one's .gch.
+                    for stale in pch.parent.glob(f"{pch.name}.partial*"):
+                        stale.unlink(missing_ok=True)
+                    partial = pch.with_name(
+                        f"{pch.name}.partial-{os.getpid()}-{secrets.token_hex(4)}")
+                    try:
+                        _run([*tools.cxx, *tools.cflags, f"-I{folder}", "-x", "c++-header",
+                              str(folder / RUNTIME_HEADER), "-o", str(partial)],
+                             folder / "build.log", "the runtime's precompiled header")
+                        partial.replace(pch)
+                    finally:
+                        partial.unlink(missing_ok=True)
                     stamp.write_text(f"{key} {pch.stat().st_size}\n")
                 os.utime(stamp)
-        except _BuildTimeout:
-            raise  # a hung compiler would hang on the program too
+        except (_BuildTimeout, _StillRunning):
+            raise  # a hung compiler would hang on the program too; a live one writes here
         except (BuildError, OSError) as e:
             log.warning("building without a precompiled runtime (%s)", e)
             users.close()
@@ -593,62 +634,171 @@ def _ninja_on_path() -> None:
                      "with it); `pip install ninja` and put its folder on PATH")
 
 
-def _processes() -> Iterator[tuple[int, str, int, int]]:
-    """Every process as (pid, state, parent pid, process group), from /proc."""
+# ---------------------------------------------------------------------------- stopping compilers
+
+
+@dataclasses.dataclass(frozen=True)
+class _Process:
+    pid: int
+    state: str  # /proc's letter: R, S, D, Z ...
+    ppid: int
+    pgrp: int
+    session: int
+    started: int  # clock ticks after boot
+
+
+def _processes() -> list[_Process]:
+    """Every process, from /proc."""
+    found = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
         with contextlib.suppress(OSError, ValueError, IndexError):
-            state, ppid, pgrp = stat.read_text().rsplit(")", 1)[1].split()[:3]
-            yield int(stat.parent.name), state, int(ppid), int(pgrp)
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            found.append(_Process(int(stat.parent.name), fields[0], int(fields[1]),
+                                  int(fields[2]), int(fields[3]), int(fields[19])))
+    return found
 
 
-def _process_children(pid: int) -> list[int]:
-    """The processes whose parent is ``pid``."""
-    return [p for p, _, ppid, _ in _processes() if ppid == pid]
+def _ticks_since_boot() -> int:
+    """Now, in the unit and from the origin of ``_Process.started``."""
+    return int(time.clock_gettime(time.CLOCK_BOOTTIME) * os.sysconf("SC_CLK_TCK"))
 
 
-def _wait_until_exited(which: Callable[[int, int], bool], seconds: float = 10.0) -> None:
-    """Waits until every process for which ``which(pid, process group)`` holds has exited
-    (gone, or a zombie until its parent reaps it): a SIGKILL is only delivered, and a
-    process stopped on a busy machine may take a while to run its exit. Gives up quietly
-    after ``seconds``."""
+# Seconds a SIGKILLed compiler has to exit. A killed process on a busy machine may wait a
+# while to be scheduled; one stuck in the kernel (a hung file system) may never exit.
+EXIT_WAIT_S = 60.0
+
+
+class _StillRunning(BuildError):
+    """A compiler was killed (SIGKILL) and had not exited when the wait for it ended: it
+    may still write into the cache, so the build is not done."""
+
+
+def _wait_until_exited(pids: set[int], groups: set[int], what: str, folder: Path,
+                       seconds: float | None = None) -> None:
+    """Waits until every process of ``pids`` and of the process groups ``groups`` has
+    exited (gone, or a zombie until its parent reaps it): a SIGKILL is only delivered, and
+    the process still has to run its exit. A ``_StillRunning`` names those left after
+    ``seconds`` (default ``EXIT_WAIT_S``)."""
+    seconds = EXIT_WAIT_S if seconds is None else seconds
     deadline = time.monotonic() + seconds
-    while any(which(p, pgrp) and state not in "ZX" for p, state, _, pgrp in _processes()) \
-            and time.monotonic() < deadline:
+    while True:
+        left = [p for p in _processes()
+                if (p.pid in pids or p.pgrp in groups) and p.state not in "ZX"]
+        if not left:
+            return
+        if time.monotonic() >= deadline:
+            running = ", ".join(f"pid {p.pid} (state {p.state}, process group {p.pgrp})"
+                                for p in left)
+            raise _StillRunning(
+                f"codegen: {what}: the compiler was killed (SIGKILL) and should have exited; "
+                f"{seconds:g} s later these of its processes were still running: {running}. "
+                f"They may still write into {folder}, so nothing built there is used. A "
+                "process that SIGKILL does not end is stuck in the kernel (state D: a hung "
+                "file system or device); once it is gone, build again")
         time.sleep(0.01)
 
 
-def _kill_tree(pid: int) -> None:
-    """SIGKILLs ``pid`` and every process under it. Each is stopped before its children
-    are listed, so none starts another in between, and none is orphaned (an orphan would
-    no longer be found under ``pid``)."""
-    tree, todo = [], [pid]
+def _kill_group(pgrp: int) -> tuple[set[int], set[int]]:
+    """SIGKILLs the process group ``pgrp``; returns (pids, process groups) killed."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pgrp, signal.SIGKILL)
+    return set(), {pgrp}
+
+
+def _kill_tree(roots: list[int]) -> tuple[set[int], set[int]]:
+    """SIGKILLs ``roots``, every process under them and their process groups other than
+    ours; returns (pids, process groups) killed. Each is stopped before its children are
+    listed, so none starts another in between and none is orphaned (an orphan would no
+    longer be found under its root); the groups take whatever left the tree earlier."""
+    ours = os.getpgrp()
+    tree: list[int] = []
+    groups: set[int] = set()
+    todo = list(roots)
     while todo:
         p = todo.pop()
         try:
             os.kill(p, signal.SIGSTOP)
-        except ProcessLookupError:
+        except OSError:  # gone already
             continue
         tree.append(p)
-        todo += [c for c in _process_children(p) if c not in tree]
+        for q in _processes():
+            if q.pid == p and q.pgrp != ours:
+                groups.add(q.pgrp)
+            if q.ppid == p and q.pid not in tree:
+                todo.append(q.pid)
+    for g in groups:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(g, signal.SIGKILL)
     for p in tree:
         with contextlib.suppress(ProcessLookupError):
             os.kill(p, signal.SIGKILL)
-    _wait_until_exited(lambda pid, pgrp: pid in tree)
+    return set(tree), groups
+
+
+def _kill_builds_in(folder: str, since: int) -> tuple[set[int], set[int]]:
+    """SIGKILLs the processes of this session started from ``since`` (``_ticks_since_boot``)
+    that work in ``folder`` (the ninja that cpp_extension runs there, and the compilers
+    ninja started, which go on after ninja is killed: each runs in a process group of its
+    own), with everything under them and their groups; returns (pids, process groups)
+    killed. A process of another session, or one that was there before the build (a
+    shell whose folder it is), is not the build's."""
+    session, me = os.getsid(0), os.getpid()
+    roots = []
+    for p in _processes():
+        if p.session == session and p.pid != me and p.started >= since:
+            with contextlib.suppress(OSError):
+                if os.readlink(f"/proc/{p.pid}/cwd") == folder:
+                    roots.append(p.pid)
+    return _kill_tree(roots)
+
+
+class _Stop:
+    """How to stop one compiler run: ``kill`` SIGKILLs what it finds of the run and says
+    what it killed (pids, process groups); ``finish`` kills once more and waits until all
+    of it has exited."""
+
+    def __init__(self, what: str, folder: Path,
+                 kill: Callable[[], tuple[set[int], set[int]]]) -> None:
+        self.what = what
+        self.folder = folder
+        self._kill = kill
+        self._lock = threading.Lock()  # the watchdog's thread kills too
+        self._pids: set[int] = set()
+        self._groups: set[int] = set()
+
+    def kill(self) -> None:
+        pids, groups = self._kill()
+        with self._lock:
+            self._pids |= pids
+            self._groups |= groups
+
+    def finish(self) -> None:
+        self.kill()
+        with self._lock:
+            pids, groups = set(self._pids), set(self._groups)
+        _wait_until_exited(pids, groups, self.what, self.folder)
+
+
+def _deadline_passed(done: threading.Event, seconds: float) -> bool:
+    """Waits until ``done`` is set (the run ended: False) or ``seconds`` have passed (the
+    run is to be stopped: True). Replaceable, so that a test stops a run at a moment it
+    chooses (its compiler known to be running) rather than at a time."""
+    return not done.wait(seconds)
 
 
 class _Watchdog:
-    """Kills the ninja that cpp_extension runs in ``folder`` (a child of this process,
-    working in that folder) and everything under it once ``seconds`` have passed
-    (``fired``), until the ``with`` block ends. Other threads' builds run in other
-    folders and are left alone."""
+    """Stops a compiler run (``stop.kill()``) once ``_deadline_passed`` says it has run
+    ``seconds`` (``fired``), and again every 0.1 s until the ``with`` block ends: what the
+    build starts after the first kill (ninja, where cpp_extension had not yet started it)
+    is stopped too."""
 
-    def __init__(self, folder: Path, seconds: float) -> None:
-        self.folder = os.path.realpath(folder)
+    def __init__(self, seconds: float, stop: _Stop, name: str) -> None:
         self.seconds = seconds
+        self.stop = stop
         self.fired = False
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._watch, daemon=True,
-                                        name=f"codegen build watchdog {folder.name}")
+                                        name=f"codegen build watchdog {name}")
 
     def __enter__(self) -> _Watchdog:
         self._thread.start()
@@ -659,14 +809,11 @@ class _Watchdog:
         self._thread.join()
 
     def _watch(self) -> None:
-        if self._done.wait(self.seconds):
+        if not _deadline_passed(self._done, self.seconds):
             return
         self.fired = True
         while True:
-            for pid in _process_children(os.getpid()):
-                with contextlib.suppress(OSError):
-                    if os.readlink(f"/proc/{pid}/cwd") == self.folder:
-                        _kill_tree(pid)
+            self.stop.kill()
             if self._done.wait(0.1):
                 return
 
@@ -697,19 +844,32 @@ def _cpp_extension_build(entry: _Entry, tools: Toolchain, includes: list[str]) -
     # presence blocks, and one left by a killed build would block forever. Ours is held.
     (entry.folder / "lock").unlink(missing_ok=True)
     timeout = build_timeout()
-    with _Watchdog(entry.folder, timeout) as watchdog:
-        try:
-            cpp_extension.load(
-                entry.name, [str(entry.source)],
-                extra_cflags=_ninja_flags([*tools.cflags, *includes]),
-                extra_ldflags=_ninja_flags([f for f in tools.ldflags
-                                            if f != "-shared"]),  # it adds -shared
-                build_directory=str(entry.folder), is_python_module=False, with_cuda=False)
-            built = None
-        except RuntimeError as e:  # ninja's failure ("Error building extension ...")
-            if not str(e).startswith("Error building extension"):
-                raise BuildError(f"codegen: building {entry.name} failed: {e}") from None
-            built = e
+    # A tick early: a process started now may be stamped with the tick this reading rounds
+    # down from.
+    stop = _Stop(f"building {entry.name}", entry.folder,
+                 functools.partial(_kill_builds_in, os.path.realpath(entry.folder),
+                                   _ticks_since_boot() - 1))
+    try:
+        with _Watchdog(timeout, stop, entry.folder.name) as watchdog:
+            try:
+                cpp_extension.load(
+                    entry.name, [str(entry.source)],
+                    extra_cflags=_ninja_flags([*tools.cflags, *includes]),
+                    extra_ldflags=_ninja_flags([f for f in tools.ldflags
+                                                if f != "-shared"]),  # it adds -shared
+                    build_directory=str(entry.folder), is_python_module=False,
+                    with_cuda=False)
+                built = None
+            except RuntimeError as e:  # ninja's failure ("Error building extension ...")
+                if not str(e).startswith("Error building extension"):
+                    raise BuildError(f"codegen: building {entry.name} failed: {e}") from None
+                built = e
+    except BaseException:
+        # An error or an interrupt (KeyboardInterrupt) while ninja ran: subprocess.run
+        # kills ninja, not the compilers it started (groups of their own), which would go
+        # on writing into the folder after its lock is released.
+        stop.finish()
+        raise
     if built is None:
         if not entry.library.is_file():
             raise BuildError(f"codegen: building {entry.name}: cpp_extension reported "
@@ -717,6 +877,7 @@ def _cpp_extension_build(entry: _Entry, tools: Toolchain, includes: list[str]) -
         return
     log = str(built)
     if watchdog.fired:
+        stop.finish()
         entry.log.write_text(f"{log}\n(stopped after {timeout:g} s)\n")
         raise _timed_out(entry.name, timeout, entry.log)
     entry.log.write_text(log)

@@ -41,7 +41,7 @@ def test_a_quick_build_logs_no_progress_line(caplog):
 
 def _python(code: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=120)
+                          cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=600)
 
 
 def test_without_logging_configured_messages_go_to_stderr():

@@ -48,7 +48,7 @@ def test_help_is_plain_text_and_lists_the_users_commands():
 
     run = subprocess.run([sys.executable, "-m", "codegen", "--help"], capture_output=True,
                          text=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
-                         timeout=120)
+                         timeout=600)
     assert run.returncode == 0, run.stderr
     assert run.stdout == command_line().format_help()
     for markup in ("``", ":func:", ":class:", "`"):

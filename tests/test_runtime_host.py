@@ -53,7 +53,7 @@ def build(folder: Path) -> Path:
 def verdicts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     """Each case's line of output ("PASS name" or "FAIL name: why"), by name."""
     binary = build(tmp_path_factory.mktemp("runtime_host"))
-    run = subprocess.run([str(binary)], capture_output=True, text=True, timeout=120)
+    run = subprocess.run([str(binary)], capture_output=True, text=True, timeout=600)
     lines: dict[str, str] = {}
     for line in run.stdout.splitlines():
         verdict, _, rest = line.partition(" ")

@@ -538,8 +538,11 @@ def _check_subgroups(rank, d):
 def _worker(rank, world_size, store_path):
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # loopback only
     os.environ["NCCL_NVLS_ENABLE"] = "0"
+    # How long a rank waits for the others (at the rendezvous, in each collective): only a
+    # hang should run out of it, not ranks that start (import torch) or compute slowly on a
+    # busy machine.
     dist.init_process_group("gloo", store=dist.FileStore(store_path, world_size), rank=rank,
-                            world_size=world_size, timeout=datetime.timedelta(seconds=60))
+                            world_size=world_size, timeout=datetime.timedelta(seconds=600))
     try:
         torch.manual_seed(rank)
         _check_examples(rank, world_size)
