@@ -10,7 +10,16 @@ steps a CUDA graph captures are in ``decode.py``.
 """
 
 from .decode import StaticDecodeStep, cache_keyword, capture_graph, static_cache
-from .offload import ALIGN, Arena, OffloadedLinear, Report, arena, offload, report
+from .offload import (
+    ALIGN,
+    Arena,
+    OffloadedLinear,
+    Report,
+    arena,
+    offload,
+    offload_plan,
+    report,
+)
 
 __all__ = [
     "ALIGN",
@@ -22,6 +31,7 @@ __all__ = [
     "cache_keyword",
     "capture_graph",
     "offload",
+    "offload_plan",
     "report",
     "static_cache",
 ]

@@ -65,7 +65,16 @@ from ..builder import CompiledOp, compile
 from ..errors import NoGPUError, ScheduleError
 from ..evaluator import evaluate
 from ..lowering import check_pool_size, lower
-from .plan import ALIGN, Layout, StreamPlan, parse_bytes, plan_stream, round_up
+from .plan import (
+    ALIGN,
+    Layout,
+    Resident,
+    StreamPlan,
+    parse_bytes,
+    place,
+    plan_stream,
+    round_up,
+)
 from .streamer import ForwardCopies, Streamer, layouts_of
 
 Filter = Callable[[str, nn.Linear], bool]
@@ -210,6 +219,13 @@ class _State:
         self.index_of: dict[int, int] = {}  # id(weight) -> its Linear's index in the plan
         self.watched: list[torch.Tensor] = []  # the offloaded weights and biases
         self.versions: list[int] = []  # their version counters at the last forward's start
+        self.placement: StreamPlan | None = None  # without a streamer: the resident Linears
+
+    @property
+    def plan(self) -> StreamPlan | None:
+        """The copy plan now (learnt again when the call order changes), with the Linears a
+        GPU budget keeps resident."""
+        return self.streamer.plan if self.streamer is not None else self.placement
 
     @property
     def current(self) -> _Forward | None:
@@ -346,7 +362,7 @@ class _State:
             ms = (forward.ended - forward.started) * 1e3
         floor = forward.bytes / (self.copy_gbps * 1e6) if self.copy_gbps else math.nan
         copies = forward.copies
-        plan = self.streamer.plan if self.streamer is not None else None
+        plan = self.plan
         count = forward.program_copies + (copies.copies if copies is not None else 0)
         self.last = Report(
             linears=forward.calls, bytes_moved=forward.bytes, forward_ms=ms,
@@ -476,11 +492,12 @@ def _shared_parameters(model: nn.Module) -> dict[int, list[str]]:
             for k in names if len(names[k]) > 1 or linked[k]}
 
 
-def _measure_copy_gbps(arena: Arena, device: torch.device) -> float:
-    """GB/s of one pinned copy of (up to 256 MiB of) the arena to the GPU, best of three."""
+def _measure_copy_gbps(arena: Arena, device: torch.device, limit: int | None = None) -> float:
+    """GB/s of one pinned copy of (up to 256 MiB, and up to ``limit`` bytes, of) the arena
+    to the GPU, best of three."""
     if device.type != "cuda" or not arena.pinned:
         return 0.0
-    n = min(arena.nbytes, 256 * 2**20)
+    n = min(arena.nbytes, 256 * 2**20, limit if limit else arena.nbytes)
     src = arena.storage[:n]
     dst = torch.empty(n, dtype=torch.uint8, device=device)
     best = math.inf
@@ -526,7 +543,7 @@ def _integer(value: Any, otherwise: Any = None) -> Any:
 def offload(model: nn.Module, slices: int = 8, *, filter: Filter | None = None,  # noqa: A002
             device: str | torch.device = "cuda", pool_size: int = 4, prefetch: bool = True,
             staging: int | str | None = None, copy_size: int | str | None = None,
-            verbose: bool = False) -> nn.Module:
+            gpu_budget: int | str | None = None, verbose: bool = False) -> nn.Module:
     """Offloads ``model``'s Linear weights to one pinned host arena and moves the rest to
     ``device``, in place; returns ``model``.
 
@@ -545,7 +562,13 @@ def offload(model: nn.Module, slices: int = 8, *, filter: Filter | None = None, 
     need gradients run the compiled programs, whose copies also run ahead (the thread's
     staging ring of ``pool_size + 1`` slices). ``prefetch=False``: every call runs its
     compiled program with staging of its own, forked from the caller's stream.
-    ``staging`` and ``copy_size`` take bytes or strings such as ``"256MiB"``. ``verbose``
+    ``gpu_budget`` (bytes, or a string such as ``"6GiB"``) bounds the GPU memory of the
+    offloadable weights: the Linears it keeps resident (plain ``nn.Linear`` on
+    ``device``, not in the arena) and the staging; the rest are streamed (``place`` in
+    ``codegen/nn/plan.py`` says what the split optimizes; ``offload_plan(model)`` prints
+    it). The rest of the model, activations and caches are not counted.
+    ``staging``, ``copy_size`` and ``gpu_budget`` take bytes or strings such as
+    ``"256MiB"``. ``verbose``
     prints :func:`report`'s line after each forward; :func:`report` returns it."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"codegen.nn.offload expects an nn.Module, got {type(model).__name__}")
@@ -560,6 +583,11 @@ def offload(model: nn.Module, slices: int = 8, *, filter: Filter | None = None, 
                                                              staging)
     copy_bytes = (None if copy_size is None else
                   parse_bytes("codegen.nn.offload: copy_size", copy_size))
+    budget = (None if gpu_budget is None else
+              parse_bytes("codegen.nn.offload: gpu_budget", gpu_budget))
+    if budget is not None and not prefetch:
+        raise ValueError("codegen.nn.offload: gpu_budget needs prefetch=True (the budget "
+                         "bounds the copy plan's staging, which prefetch=False does not use)")
     if copy_bytes is not None and copy_bytes < 1:
         raise ValueError("codegen.nn.offload: copy_size must be at least 1 byte, got "
                          f"{copy_size!r}")
@@ -627,6 +655,15 @@ def offload(model: nn.Module, slices: int = 8, *, filter: Filter | None = None, 
                              f"Linear needs it in its weight's dtype ({m.weight.dtype}); convert "
                              f"it before offloading ({n}.bias.data = {n}.bias.data.to("
                              f"{m.weight.dtype})), or leave {n} out with filter=")
+    # Under a budget, the Linears it keeps stay plain nn.Linear and move to the device with
+    # the rest of the model; the others are streamed.
+    resident: list[tuple[str, nn.Linear]] = []
+    if budget is not None:
+        candidates = [_resident(n, m) for n, m in chosen]
+        keep, staging_bytes = place(candidates, budget, staging_bytes,
+                                    default_staging(candidates))
+        resident = [c for i, c in enumerate(chosen) if i in keep]
+        chosen = [c for i, c in enumerate(chosen) if i not in keep]
     offloaded = {id(t) for _, m in chosen for t in (m.weight, m.bias) if t is not None}
     for prefix, module in model.named_modules():  # checked before anything changes
         for key, t in [*module._parameters.items(), *module._buffers.items()]:
@@ -655,7 +692,7 @@ def offload(model: nn.Module, slices: int = 8, *, filter: Filter | None = None, 
     step = f"measuring the copy bandwidth to {device}"
     try:
         # First, before anything changes: it allocates up to 256 MiB on the GPU.
-        state.copy_gbps = _measure_copy_gbps(arena, device)
+        state.copy_gbps = _measure_copy_gbps(arena, device, limit=staging_bytes)
         offset = 0
         for name, m, key in tensors:
             t = getattr(m, key)
@@ -692,10 +729,15 @@ def offload(model: nn.Module, slices: int = 8, *, filter: Filter | None = None, 
             if name in above:
                 undo.append(_restorer(module.__dict__, "_apply"))
                 module._apply = types.MethodType(_checked_apply, module)  # type: ignore[method-assign]
-        if prefetch:
+        placed = tuple(_resident(n, m) for n, m in resident)
+        if prefetch and chosen:
             step = f"planning the copies and allocating their staging on {device}"
-            state.streamer = _streamer(chosen, arena, device, staging_bytes, copy_bytes)
+            state.streamer = _streamer(chosen, arena, device, staging_bytes, copy_bytes,
+                                       exact=budget is not None, resident=placed,
+                                       budget=budget, copy_gbps=state.copy_gbps)
             state.index_of = {id(m.weight): i for i, (_, m) in enumerate(chosen)}
+        else:
+            state.placement = StreamPlan((), (), (), 0, 0, 0, placed, budget, state.copy_gbps)
         state.watched = [t for _, m in chosen for t in (m.weight, m.bias) if t is not None]
         state.versions = [t._version for t in state.watched]  # filled by blocking copies
         undo.append(_restorer(model.__dict__, "_codegen_offload"))
@@ -735,7 +777,12 @@ def _layer_of(name: str) -> str:
     return ""
 
 
-def default_staging(layouts: list[Layout]) -> int:
+def _resident(name: str, m: nn.Linear) -> Resident:
+    return Resident(name or "the model", m.weight.dtype, m.out_features, m.in_features,
+                    m.bias is not None)
+
+
+def default_staging(layouts: list[Layout] | list[Resident]) -> int:
     """Half of the largest layer's offloaded bytes (layers named as ``_layer_of`` finds
     them; a model without numbered layers is one layer), and no more than a lap."""
     layers: dict[str, int] = {}
@@ -747,11 +794,14 @@ def default_staging(layouts: list[Layout]) -> int:
 
 
 def _streamer(chosen: list[tuple[str, nn.Linear]], arena: Arena, device: torch.device,
-              staging: int | None, copy_bytes: int | None) -> Streamer:
+              staging: int | None, copy_bytes: int | None, *, exact: bool = False,
+              resident: tuple[Resident, ...] = (), budget: int | None = None,
+              copy_gbps: float = 0.0) -> Streamer:
     """The copy plan of ``chosen`` in their order, and its runner. Without ``copy_bytes``:
     ``DEFAULT_COPY_BYTES``, or less where the ring would hold fewer than four (two for a
     ``staging`` the user gave); without ``staging``: ``default_staging``, and at least a
-    copy and a row more."""
+    copy and a row more. ``exact``: ``staging`` is a budget's, held to (four copies in
+    it where it can)."""
     base = arena.storage.data_ptr()
     layouts = layouts_of([(name or "the model", m.weight, m.bias) for name, m in chosen], base)
     bias_bytes = round_up(max((lay.bias_offset + lay.bias_bytes for lay in layouts
@@ -759,11 +809,13 @@ def _streamer(chosen: list[tuple[str, nn.Linear]], arena: Arena, device: torch.d
     ring = default_staging(layouts) if staging is None else staging
     widest = max((lay.row_bytes for lay in layouts), default=1)
     if copy_bytes is None:  # room for a few copies in flight, each at least one row
-        copy_bytes = min(DEFAULT_COPY_BYTES,
-                         max(widest, (ring - ALIGN) // (4 if staging is None else 2)))
+        copy_bytes = min(DEFAULT_COPY_BYTES, max(
+            widest, (ring - ALIGN) // (4 if staging is None or exact else 2)))
     if staging is None:
         ring = max(ring, max(copy_bytes, 1) + widest + ALIGN)
-    plan = plan_stream(layouts, list(range(len(layouts))), ring, copy_bytes, bias_bytes)
+    plan = dataclasses.replace(
+        plan_stream(layouts, list(range(len(layouts))), ring, copy_bytes, bias_bytes),
+        resident=resident, budget=budget, copy_gbps=copy_gbps)
     return Streamer(plan, arena.storage, device, [(m.weight, m.bias) for _, m in chosen])
 
 
@@ -777,6 +829,20 @@ def report(model: nn.Module) -> Report:
     if result is None:
         raise ValueError("codegen.nn.report: the offloaded model has not run a forward yet")
     return result
+
+
+def offload_plan(model: nn.Module) -> StreamPlan:
+    """``model``'s copy plan now, before any forward too: which offloadable Linears are
+    resident and which streamed, their bytes, the expected time of a forward
+    (``plan.expected_ms(tokens)``, ``print(plan.placement())``), and the copies."""
+    state = getattr(model, "_codegen_offload", None)
+    if state is None:
+        raise ValueError("codegen.nn.offload_plan: this model was not offloaded with "
+                         "codegen.nn.offload")
+    if state.plan is None:
+        raise ValueError("codegen.nn.offload_plan: this model was offloaded with "
+                         "prefetch=False: its calls run compiled programs, not a copy plan")
+    return state.plan
 
 
 def arena(model: nn.Module) -> Arena:

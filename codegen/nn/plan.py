@@ -30,6 +30,8 @@ import re
 
 import torch
 
+from ..cost import COPY_BYTES_PER_MS, GEMM_FLOPS_PER_MS, HBM_BYTES_PER_MS
+
 ALIGN = 256  # bytes: where each tensor of the arena starts, and each span in the ring
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -72,6 +74,11 @@ def round_up(n: int, to: int) -> int:
     return -(-n // to) * to
 
 
+def _natural(name: str) -> list[object]:
+    """``name``'s sort key with its numbers as numbers (layers.2 before layers.10)."""
+    return [(0, int(p), "") if p.isdigit() else (1, 0, p) for p in name.split(".")]
+
+
 @dataclasses.dataclass(frozen=True)
 class Layout:
     """Where one offloaded Linear's tensors lie in the arena (bytes from its start)."""
@@ -94,6 +101,29 @@ class Layout:
     @property
     def bias_bytes(self) -> int:
         return 0 if self.bias_offset is None else self.out_features * self.dtype.itemsize
+
+    @property
+    def nbytes(self) -> int:
+        return self.weight_bytes + self.bias_bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class Resident:
+    """An offloadable Linear that a GPU budget keeps on the GPU (not streamed)."""
+
+    name: str
+    dtype: torch.dtype
+    out_features: int
+    in_features: int
+    bias: bool
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.out_features * self.in_features * self.dtype.itemsize
+
+    @property
+    def nbytes(self) -> int:
+        return self.weight_bytes + (self.out_features * self.dtype.itemsize if self.bias else 0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,6 +180,10 @@ class StreamPlan:
     ring_bytes: int
     bias_bytes: int
     copy_bytes: int
+    # Under a GPU budget: the offloadable Linears kept on the GPU, and the budget.
+    resident: tuple[Resident, ...] = ()
+    budget: int | None = None
+    copy_gbps: float = 0.0  # measured at offload time; 0: the data sheet's rate
 
     @property
     def order(self) -> tuple[int, ...]:
@@ -165,6 +199,63 @@ class StreamPlan:
         """GPU bytes the plan stages in: the ring and the bias buffer."""
         return self.ring_bytes + self.bias_bytes
 
+    @property
+    def streamed(self) -> tuple[Layout, ...]:
+        """The Linears whose weights each forward copies."""
+        return self.layouts
+
+    @property
+    def streamed_bytes(self) -> int:
+        return sum(lay.nbytes for lay in self.layouts)
+
+    @property
+    def resident_bytes(self) -> int:
+        return sum(r.nbytes for r in self.resident)
+
+    @property
+    def gpu_bytes(self) -> int:
+        """What a budget bounds: the resident Linears' weights and biases, and the
+        staging."""
+        return self.resident_bytes + self.staging_bytes
+
+    def expected_ms(self, tokens: int = 1) -> float:
+        """The expected milliseconds of the offloadable Linears in a forward of ``tokens``
+        rows: the longer of the streamed bytes' copies (at the measured rate) and the GEMMs
+        of every offloadable Linear, resident or streamed, as the cost model estimates them
+        on a GPU-resident model (each the longer of its FLOPs and its weight's HBM
+        reads). Decode (a few tokens) is bound by the copies; a long prefill may be bound
+        by the GEMMs, where streaming costs little."""
+        rate = self.copy_gbps * 1e6 if self.copy_gbps else COPY_BYTES_PER_MS
+        copies = self.streamed_bytes / rate
+        gemms = 0.0
+        for lay in (*self.layouts, *self.resident):
+            flops = 2 * tokens * lay.out_features * lay.in_features
+            gemms += max(flops / GEMM_FLOPS_PER_MS.get(lay.dtype, GEMM_FLOPS_PER_MS[
+                torch.float32]), lay.weight_bytes / HBM_BYTES_PER_MS)
+        return max(copies, gemms)
+
+    def placement(self) -> str:
+        """Which offloadable Linears are resident and which streamed, their bytes, and the
+        expected time of a decode step and of a 4096-token prefill."""
+        rate = self.copy_gbps or COPY_BYTES_PER_MS / 1e6
+        budget = "no GPU budget" if self.budget is None else (
+            f"gpu_budget {format_bytes(self.budget)}")
+        lines = [f"placement ({budget}): resident {format_bytes(self.resident_bytes)} in "
+                 f"{len(self.resident)} Linears + staging {format_bytes(self.staging_bytes)} "
+                 f"= {format_bytes(self.gpu_bytes)} on the GPU; streamed "
+                 f"{format_bytes(self.streamed_bytes)} in {len(self.layouts)} Linears a "
+                 f"forward",
+                 f"expected (offloadable Linears, copies at {rate:.1f} GB/s): decode step "
+                 f"{self.expected_ms(1):.2f} ms, prefill of 4096 tokens "
+                 f"{self.expected_ms(4096):.2f} ms"]
+        rows = sorted([(r.name, "resident", r) for r in self.resident]
+                      + [(lay.name, "streamed", lay) for lay in self.layouts],
+                      key=lambda row: _natural(row[0]))
+        for name, where, lay in rows:
+            lines.append(f"  {where:8}  {name}: [{lay.out_features}, {lay.in_features}] "
+                         f"{format_bytes(lay.nbytes)}")
+        return "\n".join(lines)
+
     def summary(self) -> str:
         n = len(self.spans)
         mean = self.bytes_per_lap / n if n else 0
@@ -178,7 +269,10 @@ class StreamPlan:
         the readers it waits for; then each Linear call's pieces on the caller's stream.
         At run time a copy is queued as soon as its waits have been recorded (the next
         lap's first spans under this lap's last pieces)."""
-        lines = [f"StreamPlan({self.summary()})", "copies (Stream(copy)):"]
+        lines = [f"StreamPlan({self.summary()})"]
+        if self.budget is not None or self.resident:
+            lines.append(self.placement())
+        lines.append("copies (Stream(copy)):")
         for s in self.spans:
             waits = ", ".join(f"freed[{k}]" + ("" if d == 0 else "@lap-1") for k, d in s.waits)
             lines.append(f"  span {s.index}: WaitEvent({waits}); Copy(arena[{s.arena_begin}:"
@@ -350,3 +444,76 @@ def plan_stream(layouts: list[Layout] | tuple[Layout, ...], order: list[int] | t
         calls.append(Call(c, order[c], tuple(made_pieces),
                           bias_span if reads_bias[c] else None))
     return StreamPlan(layouts, tuple(calls), tuple(made), ring_bytes, bias_bytes, copy_bytes)
+
+
+def least_staging(linears: list[Resident] | tuple[Resident, ...]) -> int:
+    """The least GPU memory that streaming every one of ``linears`` needs: a ring holding
+    one copy of the widest weight row, and the bias buffer."""
+    widest = max((lay.in_features * lay.dtype.itemsize for lay in linears), default=0)
+    return widest + ALIGN + _bias_block(linears)
+
+
+def _bias_block(linears: list[Resident] | tuple[Resident, ...]) -> int:
+    """The bias block of the arena that streams ``linears``: each bias at a multiple of
+    ALIGN."""
+    return sum(round_up(lay.nbytes - lay.weight_bytes, ALIGN) for lay in linears)
+
+
+# The caching allocator hands out multiples of this: what a resident weight costs.
+_ALLOCATOR_ROUNDING = 512
+
+
+def place(linears: list[Resident] | tuple[Resident, ...], budget: int, staging: int | None,
+          default_staging: int) -> tuple[frozenset[int], int]:
+    """Which of ``linears`` (the offloadable ones, in forward order) stay on the GPU under
+    ``budget`` bytes, and the ring's bytes.
+
+    Before: every Linear streamed. After: the indices of those kept resident, and a ring
+    of ``staging`` bytes (default: ``default_staging``, or what the budget leaves for it).
+    Every bias is counted in the bias buffer, resident or not, so the resident weights,
+    the ring and the biases stay within ``budget`` whatever the split.
+
+    What it optimizes: the bytes streamed a forward, least for the staging (a decode step
+    takes as long as its copies), and their spread: the resident weights are picked at
+    even intervals of the forward's bytes (error diffusion, Linear by Linear), so every
+    stretch of the forward streams about the same share of its bytes, and the copy engine
+    keeps running under the GEMMs of the resident Linears between the streamed ones
+    (what a long prefill needs). A budget that holds every Linear keeps them all, with no
+    staging; one below ``least_staging`` is refused with that minimum."""
+    total = sum(lay.nbytes for lay in linears)
+    if budget >= total:
+        return frozenset(range(len(linears))), 0
+    least = least_staging(linears)
+    if budget < least:
+        raise ValueError(
+            f"codegen.nn.offload: gpu_budget of {budget} bytes ({format_bytes(budget)}) is "
+            f"below the least staging that streaming these weights needs: {least} bytes "
+            f"({format_bytes(least)}: one copy of the widest weight row, and the biases); "
+            f"give gpu_budget >= {least}")
+    biases = _bias_block(linears)
+    widest = least - ALIGN - biases
+    if staging is None:
+        ring = max(min(default_staging, budget - biases), widest + ALIGN)
+    elif staging + biases > budget:
+        raise ValueError(
+            f"codegen.nn.offload: staging={staging} bytes ({format_bytes(staging)}) and the "
+            f"biases ({format_bytes(biases)}) exceed gpu_budget={budget} bytes "
+            f"({format_bytes(budget)}); give a smaller staging, or leave it to the budget")
+    else:
+        ring = staging
+    capacity = budget - ring - biases
+    cost = [round_up(lay.weight_bytes, _ALLOCATOR_ROUNDING) for lay in linears]
+    share = capacity / max(sum(cost), 1)
+    kept: set[int] = set()
+    used, credit = 0, 0.0
+    for i, c in enumerate(cost):
+        credit += share * c
+        if credit >= c and used + c <= capacity:
+            kept.add(i)
+            used += c
+            credit -= c
+    for i, c in enumerate(cost):  # what the rounding left: the first that still fit
+        if i not in kept and used + c <= capacity:
+            kept.add(i)
+            used += c
+    return frozenset(kept), ring

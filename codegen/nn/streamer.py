@@ -264,8 +264,10 @@ class Streamer:
 
     def relearn(self, order: list[int]) -> None:
         """Plans the forward that calls ``order`` (the Linears' indices) from now on."""
-        plan = plan_stream(self.plan.layouts, order, self.plan.ring_bytes,
-                           self.plan.copy_bytes, self.plan.bias_bytes)
+        plan = dataclasses.replace(
+            plan_stream(self.plan.layouts, order, self.plan.ring_bytes, self.plan.copy_bytes,
+                        self.plan.bias_bytes),
+            resident=self.plan.resident, budget=self.plan.budget, copy_gbps=self.plan.copy_gbps)
         self._restart(self.backend.current())
         self._set_plan(plan)
         self._pump()

@@ -1,0 +1,167 @@
+"""A GPU memory budget for an offloaded model (``offload(..., gpu_budget=...)``), on the CPU:
+which Linears the placement keeps resident and how evenly, the budget held by the resident
+weights and the staging together, the least budget refused with what it needs, the plan
+readable and printed, and forwards and generate equal to the original model's at every
+budget."""
+
+import copy
+
+import pytest
+import torch
+from helpers import tiny_llama
+from torch import nn
+
+import codegen.nn
+from codegen.nn.plan import ALIGN, Resident, format_bytes, least_staging, place
+
+
+def linears(n, out=64, inp=32, dtype=torch.float32, bias=False, name="layers"):
+    return [Resident(f"{name}.{i}.proj", dtype, out, inp, bias) for i in range(n)]
+
+
+def offloadable_bytes(model):
+    return sum(t.numel() * t.element_size() for m in model.modules() if type(m) is nn.Linear
+               for t in (m.weight, m.bias) if t is not None and m is not model.lm_head)
+
+
+def offloaded(ref, **kwargs):
+    # lm_head left out: tied or not, it is what a budget would keep first in practice.
+    return codegen.nn.offload(copy.deepcopy(ref), device="cpu",
+                              filter=lambda n, m: n != "lm_head", **kwargs)
+
+
+# ---------------------------------------------------------------------------- placement
+
+
+@pytest.mark.parametrize("share", [0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 0.99])
+def test_the_placement_holds_the_budget_and_spreads_the_resident_bytes(share):
+    lins = linears(40)
+    total = sum(lay.nbytes for lay in lins)
+    staging = 3 * lins[0].weight_bytes
+    budget = staging + int(share * (total - staging))
+    kept, ring = place(lins, budget, None, staging)
+    assert ring == staging
+    used = sum(lins[i].weight_bytes for i in kept)
+    assert used + ring <= budget
+    # Nothing left out that would still fit (the placement fills the budget)...
+    assert budget - ring - used < lins[0].weight_bytes
+    # ... and spread: each quarter of the forward keeps about a quarter of the residents.
+    for q in range(4):
+        in_quarter = sum(1 for i in kept if q * 10 <= i < (q + 1) * 10)
+        assert abs(in_quarter - len(kept) / 4) <= 1.5, (q, sorted(kept))
+
+
+def test_linears_of_different_sizes_are_placed_within_the_budget():
+    lins = [Resident(f"l.{i}", torch.bfloat16, out, 96, bias=i % 3 == 0)
+            for i, out in enumerate([512, 64, 64, 512, 1344, 1344, 512] * 3)]
+    total = sum(lay.nbytes for lay in lins)
+    biases = sum(-(-(lay.nbytes - lay.weight_bytes) // ALIGN) * ALIGN for lay in lins)
+    for budget in range(least_staging(lins), total + 4096, 9973):
+        kept, ring = place(lins, budget, None, 200_000)
+        assert sum(lins[i].weight_bytes for i in kept) + ring + biases <= budget or (
+            len(kept) == len(lins) and ring == 0)
+
+
+def test_a_budget_that_holds_every_linear_streams_none():
+    lins = linears(5)
+    kept, ring = place(lins, sum(lay.nbytes for lay in lins), None, 4096)
+    assert kept == frozenset(range(5)) and ring == 0
+
+
+def test_a_budget_below_the_least_staging_is_refused_with_the_minimum():
+    lins = linears(5, bias=True)
+    least = least_staging(lins)
+    assert least == 32 * 4 + ALIGN + 5 * ALIGN  # a row of 32 floats, and five biases
+    with pytest.raises(ValueError, match=rf"gpu_budget of {least - 1} bytes .* needs: "
+                                         rf"{least} bytes"):
+        place(lins, least - 1, None, 4096)
+    kept, ring = place(lins, least, None, 4096)
+    assert not kept and ring == least - 5 * ALIGN
+
+
+def test_a_staging_larger_than_the_budget_is_refused_by_name():
+    with pytest.raises(ValueError, match=r"staging=9000 bytes .* exceed gpu_budget=8000"):
+        place(linears(5), 8000, 9000, 4096)
+
+
+# ---------------------------------------------------------------------------- the model
+
+
+@pytest.mark.parametrize("share", [0.0, 0.25, 0.5, 0.75, 1.0])
+def test_forwards_and_generate_match_the_original_at_every_budget(share):
+    ref = tiny_llama(seed=5, layers=3)
+    total = offloadable_bytes(ref)
+    budget = max(int(share * total), 8192)
+    model = offloaded(ref, gpu_budget=budget)
+    plan = codegen.nn.offload_plan(model)
+    assert plan.gpu_bytes <= budget and plan.budget == budget
+    assert plan.resident_bytes + plan.streamed_bytes == total
+    streamed = {lay.name for lay in plan.streamed}
+    resident = {r.name for r in plan.resident}
+    assert not streamed & resident and len(streamed | resident) == 21
+    for name, m in model.named_modules():
+        if name in resident:
+            assert type(m) is nn.Linear  # on the device, plain; not in the arena
+        elif name in streamed:
+            assert isinstance(m, codegen.nn.OffloadedLinear)
+    # The arena holds the streamed weights only.
+    assert codegen.nn.arena(model).nbytes <= plan.streamed_bytes + 2 * 21 * ALIGN
+    ids = torch.randint(0, 97, (2, 9))
+    with torch.no_grad():
+        for _ in range(3):
+            torch.testing.assert_close(model(ids).logits, ref(ids).logits, rtol=1e-5,
+                                       atol=1e-5)
+    r = codegen.nn.report(model)
+    assert r.unplanned_calls == 0 and r.linears == len(streamed)
+    assert r.bytes_moved == plan.streamed_bytes
+    ids = torch.randint(0, 97, (1, 5))
+    mask = torch.ones_like(ids)
+    assert torch.equal(
+        model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False),
+        ref.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False))
+
+
+def test_the_plan_says_what_is_resident_and_streamed_and_what_a_forward_costs():
+    ref = tiny_llama(seed=1, layers=4)
+    total = offloadable_bytes(ref)
+    model = offloaded(ref, gpu_budget=f"{total // 2}B")
+    plan = codegen.nn.offload_plan(model)
+    text = plan.placement()
+    assert text.startswith(f"placement (gpu_budget {format_bytes(total // 2)}): resident ")
+    for r in plan.resident:
+        assert f"resident  {r.name}: [{r.out_features}, {r.in_features}]" in text
+    for lay in plan.streamed:
+        assert f"streamed  {lay.name}: [{lay.out_features}, {lay.in_features}]" in text
+    assert text.index("layers.2.") < text.index("layers.3.")  # in the model's order
+    assert text in str(plan)  # printing the plan prints the placement, then the copies
+    # Decode is bound by the copies: the streamed bytes at the copy rate.
+    assert plan.expected_ms(1) == pytest.approx(plan.streamed_bytes / 55.3e6)
+    assert plan.expected_ms(10**7) > plan.expected_ms(1)  # a huge prefill: the GEMMs
+
+
+def test_the_budget_keeps_its_split_when_the_call_order_is_learnt_again():
+    torch.manual_seed(0)
+    ref = nn.Sequential(*[nn.Linear(64, 64) for _ in range(8)])
+    model = codegen.nn.offload(copy.deepcopy(ref), device="cpu", gpu_budget=6 * 64 * 64 * 4)
+    before = codegen.nn.offload_plan(model)
+    assert before.resident and before.streamed
+    x = torch.randn(3, 64)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), ref(x))
+        model.forward = lambda t: nn.Sequential(*reversed(list(model)))(t)  # another order
+        reversed_ref = nn.Sequential(*reversed(list(ref)))
+        for _ in range(2):
+            torch.testing.assert_close(model(x), reversed_ref(x))
+    after = codegen.nn.offload_plan(model)
+    assert after.resident == before.resident and after.budget == before.budget
+
+
+def test_bad_budgets_are_refused_by_name():
+    ref = tiny_llama(seed=2)
+    with pytest.raises(ValueError, match="gpu_budget: cannot read 'lots'"):
+        offloaded(ref, gpu_budget="lots")
+    with pytest.raises(ValueError, match="gpu_budget needs prefetch=True"):
+        offloaded(ref, gpu_budget="1MiB", prefetch=False)
+    with pytest.raises(ValueError, match=r"gpu_budget of 100 bytes .* give gpu_budget >= "):
+        offloaded(ref, gpu_budget=100)
+    assert type(ref.model.layers[0].mlp.up_proj) is nn.Linear  # refused before any change
