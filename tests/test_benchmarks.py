@@ -23,7 +23,7 @@ from benchmarks import launch_floor
 
 REPO = Path(__file__).resolve().parent.parent
 PRODUCT = ("bench_matmul", "bench_layers", "bench_copy", "mlp_offload", "offload_llama",
-           "backward", "host_cost", "bench_overlap", "bench_build")
+           "offload_budget", "backward", "host_cost", "bench_overlap", "bench_build")
 PROBES = ("copy2d_probe", "copy_contention", "copy_trace", "small_gemm_probe", "backward_kernels",
           "backward_streams")
 
@@ -695,3 +695,16 @@ def test_offload_llama_without_gpu_says_so():
     pytest.importorskip("transformers")
     done = run_module("benchmarks.offload_llama", "--tokens", "512")
     assert done.returncode == 1 and "needs a CUDA GPU" in done.stderr
+
+
+def test_offload_budget_dry_run_places_each_budget_of_the_8b_model():
+    pytest.importorskip("transformers")
+    done = run_module("benchmarks.offload_budget", "--dry-run")
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0].startswith("offloadable: 224 Linears, 13.0 GiB; rest of the model 2.0 GiB")
+    budgets = {int(line.split("%")[0]): line for line in lines[1:]}
+    assert sorted(budgets) == [0, 25, 50, 75]
+    assert " 0 resident (0 B), ring 208.0 MiB, streamed 13.0 GiB" in budgets[0]
+    for p in (25, 50, 75):  # 13.0 GiB * p%, the ring within it
+        assert f"budget {13.0 * p / 100:.1f} GiB" in budgets[p], budgets[p]

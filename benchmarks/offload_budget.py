@@ -1,0 +1,458 @@
+"""A Llama-3-8B-shaped model offloaded under GPU memory budgets.
+
+    python -m benchmarks.offload_budget [--budgets 0,25,50,75] [--tokens 512,4096,1]
+                                        [--generate N] [--rounds N] [--layers N]
+                                        [--variants codegen,accelerate,prefetch,gpu,copy]
+                                        [--out DIR] [--dry-run]
+
+32 layers, h 4096, i 14336, 32 heads, 8 kv heads, vocab 128256, bf16, random weights built
+from the config on the GPU (no download). The decoder layers' Linears are the offloadable
+weights (13.0 GiB); embeddings, norms and lm_head stay on the GPU. A budget of p% gives
+the offloadable weights p% of their bytes (0%: the default staging alone, nothing
+resident). Rows, each model its own (offloading changes a model in place), all alive at
+once and timed interleaved:
+
+- codegen_p<p>: ``codegen.nn.offload(model, filter=<decoder Linears>, gpu_budget=B)``;
+- accelerate_p<p> (25 and 50 by default): accelerate's ``infer_auto_device_map`` with
+  ``max_memory`` giving the GPU the same B plus the rest of the model, and
+  ``dispatch_model`` (what ``device_map="auto"`` does): the layers that do not fit run
+  from pageable host memory through its hooks;
+- prefetch: the hand-written layer prefetch of ``offload_llama`` (every weight streamed);
+- gpu: the model with every weight on the GPU;
+- copy_p<p>: the weights codegen_p<p> streams copied alone, whole, back to back from its
+  pinned arena on one stream (the floor of that budget).
+
+Steps: prefills of ``--tokens`` tokens (1: the decode step of ``offload_llama``, one token
+after a 512-token prompt with a ``DynamicCache``), and with ``--generate N`` greedy
+``generate`` of N tokens (tokens/s). Ratios are medians of per-round ratios;
+``vs_floor`` is ms over max(copy_p<p>, gpu) of the same round, the target's measure.
+
+Memory, per codegen row: ``budget_mib``; ``held_mib``, what offload() keeps on the GPU
+beyond the rest of the model (the resident Linears, the ring and the bias buffer, read
+from ``torch.cuda.memory_allocated``); ``offload_peak_mib``, the peak of offload() itself
+above the rest of the model; ``forward_extra_mib``, a forward's peak above the one of the
+GPU-resident model's same forward (activations are the same: what the streaming
+allocates); ``pinned_over_streamed``: the arena's bytes over the streamed bytes.
+
+Writes offload_budget.json to --out and prints the table and each budget's placement.
+Needs a CUDA GPU and about 70 GB of GPU memory for the default rows (``--dry-run`` does
+not: it prints each budget's placement, computed on the meta device).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import importlib.util
+import json
+import re
+import statistics
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import codegen.nn
+from benchmarks.common import RESULTS, bind, is_decoder_linear, rotated
+from benchmarks.offload_llama import DECODE_PROMPT, DecodeStep, LayerPrefetch, forward
+from codegen.nn.offload import _resident, default_staging
+from codegen.nn.plan import format_bytes, place
+
+SEED = 0
+DEFAULT_BUDGETS = (0, 25, 50, 75)
+ACCELERATE_BUDGETS = (25, 50)
+
+
+def config_8b(layers: int = 32) -> Any:
+    """Llama-3-8B's shape (``layers`` decoder layers)."""
+    import transformers
+
+    return transformers.LlamaConfig(
+        vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+        num_hidden_layers=layers, num_attention_heads=32, num_key_value_heads=8,
+        max_position_embeddings=8192, rope_theta=500000.0, tie_word_embeddings=False)
+
+
+def build(config: Any, device: str = "cuda") -> Any:
+    """The model in bf16 with random weights from ``SEED``, made in bf16 on ``device`` (no
+    float32 copy: 8B parameters would need 32 GB)."""
+    import transformers
+
+    torch.manual_seed(SEED)
+    dtype = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device(device):
+            return transformers.LlamaForCausalLM(config).eval()
+    finally:
+        torch.set_default_dtype(dtype)
+
+
+def offloadable(model: Any) -> list[tuple[str, torch.nn.Linear]]:
+    return [(n, m) for n, m in model.named_modules()
+            if isinstance(m, torch.nn.Linear) and is_decoder_linear(n, m)]
+
+
+def budget_bytes(model: Any, percent: int) -> int:
+    """``percent`` of the offloadable bytes; for 0, the default staging alone."""
+    linears = [_resident(n, m) for n, m in offloadable(model)]
+    total = sum(lay.nbytes for lay in linears)
+    return max(total * percent // 100, default_staging(linears))
+
+
+def rest_bytes(model: Any) -> int:
+    """GPU bytes of what is not an offloadable Linear's weight or bias."""
+    skip = {id(t) for _, m in offloadable(model) for t in (m.weight, m.bias) if t is not None}
+    return sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()]
+               if id(t) not in skip)
+
+
+# ---------------------------------------------------------------------------- variants
+
+
+class Built:
+    """A row's model (None for a copy floor) or call, and what was measured setting it up."""
+
+    def __init__(self, name: str, model: Any = None, call: Callable[[], Any] | None = None,
+                 keep: Any = None, **facts: Any) -> None:
+        self.name, self.model, self.call, self.keep, self.facts = name, model, call, keep, facts
+
+
+def codegen_row(config: Any, percent: int) -> Built:
+    """The model offloaded from host memory (where a model that does not fit is), so that
+    offload()'s own peak is what it puts on the GPU: the rest of the model, the resident
+    Linears and the staging."""
+    model = build(config).cpu()
+    rest = rest_bytes(model)
+    budget = budget_bytes(model, percent)
+    gc.collect()
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated() + rest  # what the rest of the model will take
+    torch.cuda.reset_peak_memory_stats()
+    codegen.nn.offload(model, filter=is_decoder_linear, gpu_budget=budget)
+    torch.cuda.synchronize()
+    gc.collect()
+    plan = codegen.nn.offload_plan(model)
+    arena = codegen.nn.arena(model)
+    facts = {
+        "budget_percent": percent, "budget_mib": budget / 2**20,
+        "resident_linears": len(plan.resident), "streamed_linears": len(plan.streamed),
+        "resident_mib": plan.resident_bytes / 2**20, "streamed_mib": plan.streamed_bytes / 2**20,
+        "staging_mib": plan.staging_bytes / 2**20,
+        "held_mib": (torch.cuda.memory_allocated() - base) / 2**20,
+        "offload_peak_mib": (torch.cuda.max_memory_allocated() - base) / 2**20,
+        "pinned_over_streamed": arena.nbytes / max(plan.streamed_bytes, 1),
+        "expected_decode_ms": plan.expected_ms(1), "expected_prefill4096_ms":
+        plan.expected_ms(4096), "rest_mib": rest / 2**20}
+    print(plan.placement().splitlines()[0] + f"  [{format_bytes(budget)} budget]")
+    return Built(f"codegen_p{percent}", model, **facts)
+
+
+def copy_row(source: Built) -> Built:
+    """The weights ``source`` streams, copied alone from its arena, whole, back to back."""
+    plan = codegen.nn.offload_plan(source.model)
+    arena = codegen.nn.arena(source.model).storage
+    spans = [(lay.weight_offset, lay.weight_bytes) for lay in plan.streamed]
+    largest = max(n for _, n in spans)
+    dst = [torch.empty(largest, dtype=torch.uint8, device="cuda") for _ in range(2)]
+
+    def copies() -> None:
+        for k, (at, n) in enumerate(spans):
+            dst[k % 2][:n].copy_(arena[at:at + n], non_blocking=True)
+
+    return Built(source.name.replace("codegen", "copy"), call=copies,
+                 streamed_mib=plan.streamed_bytes / 2**20)
+
+
+def accelerate_row(config: Any, percent: int) -> Built:
+    import accelerate
+
+    model = build(config)
+    budget = budget_bytes(model, percent) + rest_bytes(model)
+    model.cpu()  # dispatch_model reads the weights it offloads from host memory
+    gc.collect()
+    device_map = accelerate.infer_auto_device_map(
+        model, max_memory={0: budget, "cpu": 2**40},
+        no_split_module_classes=["LlamaDecoderLayer"])
+    model = accelerate.dispatch_model(model, device_map=device_map)
+    on_gpu = sum(1 for d in device_map.values() if d == 0)
+    return Built(f"accelerate_p{percent}", model, budget_percent=percent,
+                 budget_mib=budget / 2**20, modules_on_gpu=on_gpu,
+                 modules_on_cpu=len(device_map) - on_gpu)
+
+
+def make(name: str, config: Any, built: dict[str, Built]) -> Built:
+    if name == "gpu":
+        return Built(name, build(config))
+    if name == "prefetch":
+        model = build(config)
+        return Built(name, model, keep=LayerPrefetch(model))
+    kind, _, percent = name.rpartition("_p")
+    if kind == "codegen":
+        return codegen_row(config, int(percent))
+    if kind == "accelerate":
+        return accelerate_row(config, int(percent))
+    if kind == "copy":
+        return copy_row(built[f"codegen_p{percent}"])
+    raise ValueError(f"unknown row {name!r}")
+
+
+# ---------------------------------------------------------------------------- timing
+
+
+def timed(calls: dict[str, Callable[[], Any]], rounds: int) -> dict[str, list[float]]:
+    """ms per call, one value per round: two warm-up calls each, then ``rounds`` rounds of
+    one timed call per row (three back to back where a call takes under 50 ms), in a
+    rotated order, the device synchronized before each (every row here takes tens of ms
+    or more: a call's start from an idle GPU is a small share of it)."""
+    reps = {}
+    for v, fn in calls.items():
+        fn()
+        torch.cuda.synchronize()
+        reps[v] = 3 if _call_ms(fn) < 50 else 1
+    times: dict[str, list[float]] = {v: [] for v in calls}
+    for r in range(rounds):
+        for v in rotated(list(calls), r):
+            times[v].append(_call_ms(calls[v], reps[v]))
+    return times
+
+
+def generate_ms(model: Any, prompt: torch.Tensor, n: int) -> float:
+    mask = torch.ones_like(prompt)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    model.generate(prompt, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
+                   do_sample=False)
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) * 1e3
+
+
+def rows_of(step: str, tokens: int, times: dict[str, list[float]],
+            built: dict[str, Built]) -> list[dict[str, Any]]:
+    """One row per variant: median ms, and for a budget's rows the median per-round ratio
+    to max(its copy floor, the GPU-resident model) and to accelerate's at that budget."""
+    rows = []
+    for v, t in times.items():
+        found = re.fullmatch(r"[a-z]+_p([0-9]+)", v)
+        percent = found.group(1) if found else "0" if v == "prefetch" else None
+        floor = times.get(f"copy_p{percent}") if percent is not None else None
+        gpu = times.get("gpu")
+        accel = times.get(f"accelerate_p{percent}") if percent is not None else None
+
+        def ratio(den: list[float] | None, t: list[float] = t) -> float | None:
+            return statistics.median(a / b for a, b in zip(t, den)) if den else None
+
+        bound = ([max(f, g) for f, g in zip(floor, gpu)] if floor and gpu else floor)
+        rows.append({"step": step, "tokens": tokens, "variant": v, "ms": statistics.median(t),
+                     "vs_floor": ratio(bound), "accelerate_over": (
+                         statistics.median(b / a for a, b in zip(t, accel)) if accel else None),
+                     "rounds": len(t), **{k: x for k, x in built[v].facts.items()
+                                          if not isinstance(x, float) or k.endswith("mib")}})
+    return rows
+
+
+def forward_peaks(calls: dict[str, Callable[[], Any]]) -> dict[str, float]:
+    """Each call's peak GPU memory above what was allocated before it, MiB."""
+    peaks = {}
+    for v, fn in calls.items():
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        out = fn()
+        torch.cuda.synchronize()
+        peaks[v] = (torch.cuda.max_memory_allocated() - base) / 2**20
+        del out
+    return peaks
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    def f(x: Any) -> str:
+        return f"{x:9.3f}" if isinstance(x, float) else f"{'-':>9}"
+
+    lines = [f"{'step':9}{'tokens':>7} {'variant':16}{'ms':>10}{'tok/s':>9}{'vs floor':>9}"
+             f"{'accel/x':>9}"]
+    for r in rows:
+        lines.append(f"{r['step']:9}{r['tokens']:7} {r['variant']:16}{r['ms']:10.2f}"
+                     f"{f(r.get('tokens_per_s'))}{f(r['vs_floor'])}{f(r['accelerate_over'])}")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------- main
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.offload_budget",
+                                     description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--budgets", default=",".join(map(str, DEFAULT_BUDGETS)),
+                        help="percent of the offloadable bytes, comma-separated")
+    parser.add_argument("--accelerate-budgets", default=",".join(map(str, ACCELERATE_BUDGETS)))
+    parser.add_argument("--tokens", default="512,4096,1")
+    parser.add_argument("--generate", type=int, default=0, metavar="N")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--layers", type=int, default=32)
+    parser.add_argument("--variants", default="codegen,accelerate,prefetch,gpu,copy")
+    parser.add_argument("--dry-run", action="store_true")
+    args = parser.parse_args(argv)
+    try:
+        args.budgets = [int(b) for b in args.budgets.split(",") if b.strip()]
+        args.accelerate_budgets = [int(b) for b in args.accelerate_budgets.split(",")
+                                   if b.strip()]
+        args.tokens = [int(t) for t in args.tokens.split(",") if t.strip()]
+    except ValueError:
+        parser.error("--budgets, --accelerate-budgets, --tokens: comma-separated integers")
+    if any(not 0 <= b < 100 for b in args.budgets + args.accelerate_budgets):
+        parser.error("budgets: percents in [0, 100)")
+    args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    return args
+
+
+def row_names(args: argparse.Namespace) -> list[str]:
+    """The rows, in set-up order: the GPU-resident model, codegen's budgets (with their
+    copy floors right after), the prefetch, accelerate's budgets."""
+    names = []
+    if "gpu" in args.variants:
+        names.append("gpu")
+    for p in args.budgets:
+        if "codegen" in args.variants or "copy" in args.variants:
+            names.append(f"codegen_p{p}")
+        if "copy" in args.variants:
+            names.append(f"copy_p{p}")
+    if "prefetch" in args.variants:
+        names.append("prefetch")
+    if "accelerate" in args.variants and importlib.util.find_spec("accelerate") is not None:
+        names += [f"accelerate_p{p}" for p in args.accelerate_budgets]
+    return names
+
+
+def dry_run(args: argparse.Namespace) -> int:
+    """Each budget's placement, from the model on the meta device."""
+    config = config_8b(args.layers)
+    model = build(config, device="meta")
+    linears = [_resident(n, m) for n, m in offloadable(model)]
+    total = sum(lay.nbytes for lay in linears)
+    print(f"offloadable: {len(linears)} Linears, {format_bytes(total)}; rest of the model "
+          f"{format_bytes(rest_bytes(model))}; rows: {', '.join(row_names(args))}")
+    for p in args.budgets:
+        budget = budget_bytes(model, p)
+        kept, ring = place(linears, budget, None, default_staging(linears))
+        resident = sum(linears[i].nbytes for i in kept)
+        print(f"{p:3}%: budget {format_bytes(budget)}: {len(kept)} resident "
+              f"({format_bytes(resident)}), ring {format_bytes(ring)}, streamed "
+              f"{format_bytes(total - resident)}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    import transformers
+
+    if args.dry_run:
+        return dry_run(args)
+    if not torch.cuda.is_available():
+        print("offload_budget: needs a CUDA GPU (--dry-run does not)", file=sys.stderr)
+        return 1
+    config = config_8b(args.layers)
+    notes: list[str] = []
+    built: dict[str, Built] = {}
+    started = time.perf_counter()
+    for name in row_names(args):
+        try:
+            built[name] = make(name, config, built)
+            print(f"set up {name} ({time.perf_counter() - started:.0f} s)", flush=True)
+        except Exception as e:  # the other rows are still worth the GPU time
+            traceback.print_exc()
+            notes.append(f"FAILED: {name} could not be set up: {type(e).__name__}: {e}")
+    gc.collect()
+    torch.manual_seed(SEED + 1)
+    prompt = torch.randint(0, config.vocab_size, (1, DECODE_PROMPT), device="cuda")
+    token = torch.randint(0, config.vocab_size, (1, 1), device="cuda")
+    models = {v: b for v, b in built.items() if b.model is not None}
+    if "gpu" in models:  # values: every model's logits against the GPU-resident model's
+        reference = forward(models["gpu"].model, prompt[:, :64]).float()
+        for b in models.values():
+            logits = forward(b.model, prompt[:, :64]).float()
+            b.facts["logits_error"] = ((logits - reference).abs().max()
+                                       / reference.abs().max()).item()
+    rows: list[dict[str, Any]] = []
+    for tokens in args.tokens:
+        try:
+            if tokens == 1:
+                step = "decode"
+                calls = {v: b.call or DecodeStep(b.model, prompt, token)
+                         for v, b in built.items()}
+            else:
+                step = "prefill"
+                torch.manual_seed(SEED + tokens)
+                ids = torch.randint(0, config.vocab_size, (1, tokens), device="cuda")
+                calls = {v: b.call or bind(forward, b.model, ids) for v, b in built.items()}
+            times = timed(calls, args.rounds)
+            step_rows = rows_of(step, tokens, times, built)
+            peaks = forward_peaks({v: calls[v] for v in models})
+            for r in step_rows:
+                if r["variant"] in peaks and "gpu" in peaks:
+                    r["forward_extra_mib"] = peaks[r["variant"]] - peaks["gpu"]
+            rows += step_rows
+            print(table(step_rows), flush=True)
+        except Exception as e:  # keep the other steps' rows
+            traceback.print_exc()
+            notes.append(f"FAILED: the {tokens}-token step: {type(e).__name__}: {e}")
+    if args.generate:
+        try:
+            times = {v: [] for v in models}
+            for v in models:  # warm-up
+                generate_ms(models[v].model, prompt, 2)
+            for r in range(max(1, args.rounds - 1)):
+                for v in rotated(list(models), r):
+                    one = generate_ms(models[v].model, prompt, 1)
+                    times[v].append((generate_ms(models[v].model, prompt, args.generate + 1)
+                                     - one) / args.generate)
+            for v in [v for v in built if v.startswith("copy")]:
+                times[v] = [statistics.median(_call_ms(built[v].call) for _ in range(3))]
+                times[v] *= len(next(iter(times.values())))
+            gen_rows = rows_of("generate", args.generate, times, built)
+            for r in gen_rows:
+                r["tokens_per_s"] = 1e3 / r["ms"]
+            rows += gen_rows
+            print(table(gen_rows), flush=True)
+        except Exception as e:
+            traceback.print_exc()
+            notes.append(f"FAILED: the generate step: {type(e).__name__}: {e}")
+    print(table(rows))
+    for v, b in built.items():
+        if v.startswith("codegen"):
+            print(f"{v}: " + ", ".join(f"{k} {x:.1f}" if isinstance(x, float) else f"{k} {x}"
+                                       for k, x in b.facts.items()))
+    for n in notes:
+        print(n)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "offload_budget.json").write_text(json.dumps({
+        "date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__, "transformers": transformers.__version__,
+        "layers": args.layers, "notes": notes, "rows": rows,
+        "setup": {v: b.facts for v, b in built.items()},
+        "placements": {v: codegen.nn.offload_plan(b.model).placement()
+                       for v, b in built.items() if v.startswith("codegen")}},
+        indent=1, default=str) + "\n")
+    return 1 if any(n.startswith("FAILED") for n in notes) else 0
+
+
+def _call_ms(fn: Callable[[], Any], reps: int = 1) -> float:
+    """ms per call of ``reps`` calls back to back, from a synchronized device."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / reps
+
+
+if __name__ == "__main__":
+    sys.exit(main())
