@@ -340,6 +340,31 @@ def _timed_out(what: str, seconds: float, log_path: Path) -> _BuildTimeout:
         f"CODEGEN_BUILD_TIMEOUT_S=<seconds> (default {BUILD_TIMEOUT_S:g})\nfull log: {log_path}")
 
 
+@contextlib.contextmanager
+def _interrupts_deferred() -> Iterator[None]:
+    """SIGINT held back while the block runs and handled when it ends (a KeyboardInterrupt
+    raised there, by Python's default handler), so that a process the block starts is
+    known to the code that stops it: Popen returns only after its child has started, and
+    an interrupt in between would leave the child running with no one holding its pid.
+    Only in the main thread (where Python runs signal handlers) and only over a handler
+    written in Python; SIG_IGN and SIG_DFL stay as they are."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.getsignal(signal.SIGINT)
+    if not callable(previous):
+        yield
+        return
+    caught: list[Any] = []
+    signal.signal(signal.SIGINT, lambda signum, frame: caught.append(frame))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if caught:
+            previous(signal.SIGINT, caught[0])
+
+
 def _run(command: list[str], log_path: Path, what: str) -> None:
     """Runs a compiler command; a failure is a BuildError with its first diagnostic, and
     one that runs past ``build_timeout()`` is stopped (its whole process group). So is
@@ -355,8 +380,9 @@ def _run(command: list[str], log_path: Path, what: str) -> None:
         # A session of its own: one killpg stops the compiler and what it started (cc1plus,
         # as) and nothing of ours. Nothing else stops it either (neither a kill of our
         # process group nor a terminal's Ctrl-C reaches it): every way out of here does.
-        proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True, start_new_session=True)
+        with _interrupts_deferred():  # an interrupt raised inside Popen would lose the pid
+            proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                    text=True, start_new_session=True)
         with _Watchdog(timeout, stop, what) as watchdog:
             while True:
                 try:

@@ -452,6 +452,33 @@ def test_an_interrupted_build_stops_the_precompiled_runtimes_compiler(tmp_path, 
     assert not list((tmp_path / "cache").glob("runtime-pch-*/codegen/*.partial*"))
 
 
+def test_an_interrupt_before_popen_returns_still_stops_the_compiler(tmp_path, monkeypatch,
+                                                                     fake_cxx, parked):
+    """Ctrl-C may land after the compiler has started but before Popen has returned (its
+    pid not yet in the builder's hands): here it lands exactly there, every time."""
+    fake_cxx("g++-hang", park_on="* c++-header *")
+    monkeypatch.setenv("CODEGEN_CACHE_DIR", str(tmp_path / "cache"))
+    real = subprocess.Popen
+
+    def popen_interrupted_on_return(*args, **kwargs):
+        proc = real(*args, **kwargs)
+        parked.wait_for(1)  # the compiler runs
+        signal.raise_signal(signal.SIGINT)
+        return proc
+
+    monkeypatch.setattr(builder.subprocess, "Popen", popen_interrupted_on_return)
+    handler = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            builder.build_library("interrupted_popen_probe",
+                                  RUNTIME_PROGRAM.format(name="interrupted_popen"))
+    finally:
+        signal.signal(signal.SIGINT, handler)
+        monkeypatch.setattr(builder.subprocess, "Popen", real)
+    hung = parked.running()
+    assert hung and not wait_until_exited(hung)
+
+
 def test_a_compiler_that_outlives_its_kill_is_an_error_that_names_it(tmp_path, monkeypatch,
                                                                      fake_cxx, parked):
     fake_cxx("g++-hang", park_on="* c++-header *")
