@@ -20,6 +20,7 @@ from .offload import (
     offload_plan,
     report,
 )
+from .quantize import quantize_weight
 
 __all__ = [
     "ALIGN",
@@ -32,6 +33,7 @@ __all__ = [
     "capture_graph",
     "offload",
     "offload_plan",
+    "quantize_weight",
     "report",
     "static_cache",
 ]

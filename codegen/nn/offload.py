@@ -75,7 +75,9 @@ from .plan import (
     plan_stream,
     round_up,
 )
-from .streamer import ForwardCopies, Streamer, layouts_of
+from .quantize import FP8, check_format, pack_rows, quantize_weight, unsupported
+from .quantize import row_bytes as quantized_row_bytes
+from .streamer import ForwardCopies, Streamer
 
 Filter = Callable[[str, nn.Linear], bool]
 
@@ -142,8 +144,11 @@ class Report:
     copies (timed around each wait; 0 on the CPU and in a captured forward);
     ``staging_bytes``: the GPU memory the copies go through; ``unplanned_calls``: calls
     that ran off the copy plan (each weight copied whole: the first forward of a new call
-    order, a call that needs gradients, a second thread's forward). ``plan``: the copy
-    plan (``print(report.plan)`` shows it as host IR), None without prefetch."""
+    order, a call that needs gradients, a second thread's forward). ``quantize``: the
+    weights' format in the arena (``bytes_moved`` counts their quantized bytes and
+    scales); ``logits_error``: where ``report`` was given a reference model and inputs,
+    max |logits - reference logits| / max |reference logits|. ``plan``: the copy plan
+    (``print(report.plan)`` shows it as host IR), None without prefetch."""
 
     linears: int
     bytes_moved: int
@@ -158,11 +163,15 @@ class Report:
     exposed_copy_ms: float = 0.0
     staging_bytes: int = 0
     unplanned_calls: int = 0
+    quantize: str | None = None
+    logits_error: float | None = None
     plan: StreamPlan | None = dataclasses.field(default=None, repr=False, compare=False)
 
     def line(self) -> str:
         copies = (f" in {self.copies} copies (mean {_size(self.mean_copy_bytes)})"
                   if self.copies else "")
+        if self.quantize is not None:
+            copies = f" as {self.quantize}{copies}"
         if math.isnan(self.copy_floor_ms):  # on the CPU: no copy floor
             return (f"codegen.nn.offload: {self.linears} Linear calls read "
                     f"{_size(self.bytes_moved)} of host weights{copies} in "
@@ -220,6 +229,8 @@ class _State:
         self.watched: list[torch.Tensor] = []  # the offloaded weights and biases
         self.versions: list[int] = []  # their version counters at the last forward's start
         self.placement: StreamPlan | None = None  # without a streamer: the resident Linears
+        self.quantize: str | None = None
+        self.quantized: dict[int, str] = {}  # id(weight) -> the name of a quantized Linear
 
     @property
     def plan(self) -> StreamPlan | None:
@@ -262,6 +273,9 @@ class _State:
             self.current.calls += 1
             self.current.bytes += sum(t.numel() * t.element_size() for t in args[1:])
         needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in args)
+        name = self.quantized.get(id(w))
+        if name is not None:
+            return self._run_quantized(x, w, b, name, needs_grad)
         if self.streamer is not None and not needs_grad:
             # The copy plan: spans of the arena copied ahead, GEMM pieces reading them.
             out = self.streamer.call(self.index_of[id(w)], x)
@@ -282,6 +296,24 @@ class _State:
             self.ops[(*key, staging)] = compile(self.fusion(*key), pool_size=self.pool_size,
                                                 staging=staging)
         return self.ops[(*key, staging)](*args)
+
+    def _run_quantized(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
+                       name: str, needs_grad: bool) -> torch.Tensor:
+        """A quantized Linear's call: by the copy plan (each piece dequantized on the
+        device), or its arena rows copied whole and dequantized. Its weight has no
+        gradient; a backward through the call is refused by name (``_NoBackward``)."""
+        assert self.streamer is not None  # quantize needs prefetch
+        index = self.index_of[id(w)]
+        if self.current is not None:  # the quantized bytes and scales replace the values
+            lay = self.streamer.plan.layouts[index]
+            self.current.bytes += lay.weight_bytes - w.numel() * w.element_size()
+        with torch.no_grad():
+            out = self.streamer.call(index, x)
+            if out is None:
+                out = self.streamer.unplanned(x, w, b, index)
+        if needs_grad:
+            out = _NoBackward.apply(out, x, f"codegen.nn.offload: {name}", self.quantize)
+        return out
 
     def run_cast(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
                  dtype: torch.dtype) -> torch.Tensor:
@@ -372,7 +404,8 @@ class _State:
             mean_copy_bytes=forward.bytes / count if count else 0.0,
             exposed_copy_ms=copies.exposed_ms() if copies is not None else 0.0,
             staging_bytes=plan.staging_bytes if plan is not None else 0,
-            unplanned_calls=copies.unplanned_calls if copies is not None else 0, plan=plan)
+            unplanned_calls=copies.unplanned_calls if copies is not None else 0,
+            quantize=self.quantize, plan=plan)
         return self.last
 
 
@@ -396,21 +429,33 @@ class OffloadedLinear(nn.Linear):
                              f"takes in_features = {self.in_features} (input shape "
                              f"{tuple(x.shape)}, weight shape {tuple(self.weight.shape)})")
         compute = self._codegen.device.type
+        dtype = self._dtype()
         if torch.is_autocast_enabled(compute) and x.is_floating_point():
             autocast = torch.get_autocast_dtype(compute)
-            if autocast != self.weight.dtype:  # fp32 master weights under bf16 autocast
+            if dtype is not self.weight.dtype:  # quantized: computes in the weights' dtype
+                flat = x.to(dtype).flatten(0, -2) if x.dim() > 1 else x.to(dtype).unsqueeze(0)
+                out = self._codegen.run(flat, self.weight, self.bias).to(autocast)
+                return out.reshape(*x.shape[:-1], out.shape[-1])
+            if autocast != dtype:  # fp32 master weights under bf16 autocast
                 return self._codegen.run_cast(x.to(autocast), self.weight, self.bias, autocast)
             x = x.to(autocast)
-        if x.dtype != self.weight.dtype:
-            raise ValueError(f"{self._where()}: the weight is {self.weight.dtype}, the input "
-                             f"{x.dtype}; cast the input (as the model would for a "
-                             "GPU-resident weight)")
+        if x.dtype != dtype:
+            raise ValueError(f"{self._where()}: the weight is {dtype}"
+                             + (f" (streamed as {self._codegen.quantize})"
+                                if dtype is not self.weight.dtype else "")
+                             + f", the input {x.dtype}; cast the input (as the model would "
+                             "for a GPU-resident weight)")
         flat = x.flatten(0, -2) if x.dim() > 1 else x.unsqueeze(0)
         out = self._codegen.run(flat, self.weight, self.bias)
         return out.reshape(*x.shape[:-1], out.shape[-1])
 
     def _where(self) -> str:
         return f"codegen.nn.offload: {self._codegen_name}"
+
+    def _dtype(self) -> torch.dtype:
+        """The dtype the Linear computes in: its weight's, or a quantized weight's
+        original."""
+        return self.__dict__.get("_codegen_dtype", self.weight.dtype)
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor],
                recurse: bool = True) -> OffloadedLinear:
@@ -424,10 +469,11 @@ class OffloadedLinear(nn.Linear):
         an empty tensor of each of this Linear's dtypes."""
         for key in ("weight", "bias"):
             t = getattr(self, key)
-            converted = fn(torch.empty(0, dtype=t.dtype)) if t is not None else None
-            if converted is not None and converted.dtype != t.dtype:
+            dtype = self._dtype() if key == "weight" else t.dtype if t is not None else None
+            converted = fn(torch.empty(0, dtype=dtype)) if t is not None else None
+            if converted is not None and converted.dtype != dtype:
                 raise ValueError(
-                    f"{self._where()}.{key} is {t.dtype} in the offloaded model's pinned "
+                    f"{self._where()}.{key} is {dtype} in the offloaded model's pinned "
                     f"arena; converting it to {converted.dtype} would take it out; convert "
                     "the model before offloading it")
 
@@ -437,6 +483,24 @@ class OffloadedLinear(nn.Linear):
         # an offloaded weight takes the values into the arena instead.
         local_metadata = {**local_metadata, "assign_to_params_buffers": False}
         super()._load_from_state_dict(state_dict, prefix, local_metadata, *args)
+
+
+class _NoBackward(torch.autograd.Function):
+    """The output of a quantized Linear's call where gradients are on: the same values,
+    and a backward that raises, naming the Linear (its weight has no gradient to give,
+    and the input's would need the dequantized weight kept)."""
+
+    @staticmethod
+    def forward(ctx: Any, out: torch.Tensor, x: torch.Tensor, where: str,
+                kind: str) -> torch.Tensor:
+        ctx.where, ctx.kind = where, kind
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> Any:
+        raise RuntimeError(f"{ctx.where}: backward through a weight quantized to {ctx.kind} "
+                           "is not supported (offload with quantize=None to train through "
+                           "it, or run the forward under torch.no_grad())")
 
 
 def _checked_apply(module: nn.Module, fn: Callable[[torch.Tensor], torch.Tensor],
@@ -543,7 +607,8 @@ def _integer(value: Any, otherwise: Any = None) -> Any:
 def offload(model: nn.Module, slices: int = 8, *, filter: Filter | None = None,  # noqa: A002
             device: str | torch.device = "cuda", pool_size: int = 4, prefetch: bool = True,
             staging: int | str | None = None, copy_size: int | str | None = None,
-            gpu_budget: int | str | None = None, verbose: bool = False) -> nn.Module:
+            gpu_budget: int | str | None = None, quantize: str | None = None,
+            verbose: bool = False) -> nn.Module:
     """Offloads ``model``'s Linear weights to one pinned host arena and moves the rest to
     ``device``, in place; returns ``model``.
 
@@ -568,7 +633,11 @@ def offload(model: nn.Module, slices: int = 8, *, filter: Filter | None = None, 
     ``codegen/nn/plan.py`` says what the split optimizes; ``offload_plan(model)`` prints
     it). The rest of the model, activations and caches are not counted.
     ``staging``, ``copy_size`` and ``gpu_budget`` take bytes or strings such as
-    ``"256MiB"``. ``verbose``
+    ``"256MiB"``. ``quantize`` (``"fp8"`` or ``"int4"``, ``codegen/nn/quantize.py``)
+    stores each streamed weight quantized in the arena, quantized on the GPU one weight at
+    a time, and dequantizes each GEMM piece on the device after its copy; the weight
+    Parameter then holds the quantized values (and ``weight_scale`` the scales), and a
+    backward through it is refused. ``verbose``
     prints :func:`report`'s line after each forward; :func:`report` returns it."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"codegen.nn.offload expects an nn.Module, got {type(model).__name__}")
@@ -585,6 +654,10 @@ def offload(model: nn.Module, slices: int = 8, *, filter: Filter | None = None, 
                   parse_bytes("codegen.nn.offload: copy_size", copy_size))
     budget = (None if gpu_budget is None else
               parse_bytes("codegen.nn.offload: gpu_budget", gpu_budget))
+    quantize = check_format(quantize)
+    if quantize is not None and not prefetch:
+        raise ValueError("codegen.nn.offload: quantize needs prefetch=True (the copy plan "
+                         "dequantizes each piece; prefetch=False runs compiled programs)")
     if budget is not None and not prefetch:
         raise ValueError("codegen.nn.offload: gpu_budget needs prefetch=True (the budget "
                          "bounds the copy plan's staging, which prefetch=False does not use)")
@@ -657,9 +730,12 @@ def offload(model: nn.Module, slices: int = 8, *, filter: Filter | None = None, 
                              f"{m.weight.dtype})), or leave {n} out with filter=")
     # Under a budget, the Linears it keeps stay plain nn.Linear and move to the device with
     # the rest of the model; the others are streamed.
+    # Quantized where the format takes the weight; the others streamed as they are.
+    quant = {id(m): quantize if quantize and unsupported(
+        quantize, m.in_features, m.weight.dtype) is None else None for _, m in chosen}
     resident: list[tuple[str, nn.Linear]] = []
     if budget is not None:
-        candidates = [_resident(n, m) for n, m in chosen]
+        candidates = [_resident(n, m, quant[id(m)]) for n, m in chosen]
         keep, staging_bytes = place(candidates, budget, staging_bytes,
                                     default_staging(candidates))
         resident = [c for i, c in enumerate(chosen) if i in keep]
@@ -677,8 +753,14 @@ def offload(model: nn.Module, slices: int = 8, *, filter: Filter | None = None, 
     # each at a multiple of ALIGN.
     tensors = ([(name, m, "bias") for name, m in chosen if m.bias is not None]
                + [(name, m, "weight") for name, m in chosen])
-    total = sum(round_up(getattr(m, key).numel() * getattr(m, key).element_size(), ALIGN)
-                for _, m, key in tensors)
+    def arena_bytes(m: nn.Linear, key: str) -> int:
+        kind = quant[id(m)] if key == "weight" else None
+        if kind is not None:  # rows of values and scales
+            return m.out_features * quantized_row_bytes(kind, m.in_features, m.weight.dtype)
+        t = getattr(m, key)
+        return t.numel() * t.element_size()
+
+    total = sum(round_up(arena_bytes(m, key), ALIGN) for _, m, key in tensors)
     arena = Arena(torch.empty(total, dtype=torch.uint8), pinned=False)
     arena.pinned = _pin(arena.storage) if device.type == "cuda" else False
     state = _State(arena, device, slices, pool_size, prefetch, verbose)
@@ -697,9 +779,21 @@ def offload(model: nn.Module, slices: int = 8, *, filter: Filter | None = None, 
         for name, m, key in tensors:
             t = getattr(m, key)
             step = f"copying {_dotted(name, key)} into the host arena"
-            nbytes = t.numel() * t.element_size()
-            held = arena.tensor(offset, t.dtype, t.shape)
-            held.copy_(t.detach())
+            nbytes = arena_bytes(m, key)
+            kind = quant[id(m)] if key == "weight" else None
+            if kind is not None:
+                step = f"quantizing {_dotted(name, key)} to {kind} into the host arena"
+                held, scale = _quantized_into(arena, offset, t, kind, device)
+                offloaded.add(id(scale))  # stays in the arena, not moved below
+                undo += [functools.partial(t.requires_grad_, t.requires_grad),
+                         _restorer(m._buffers, "weight_scale"),
+                         _restorer(m.__dict__, "_codegen_dtype")]
+                t.requires_grad_(False)
+                m._buffers["weight_scale"] = scale
+                m._codegen_dtype = t.dtype  # type: ignore[assignment]
+            else:
+                held = arena.tensor(offset, t.dtype, t.shape)
+                held.copy_(t.detach())
             offset += round_up(nbytes, ALIGN)
             # The same Parameter, its data in the arena: an optimizer, hooks or a .grad
             # made before offloading still refer to the weight the forward reads.
@@ -718,7 +812,7 @@ def offload(model: nn.Module, slices: int = 8, *, filter: Filter | None = None, 
                     undo.append(functools.partial(setattr, p, "data", p.data))
                     p.data = p.data.to(device)
             for key, b in list(module._buffers.items()):
-                if b is not None:
+                if b is not None and id(b) not in offloaded:
                     step = f"moving {_dotted(prefix, key)} to {device}"
                     undo.append(functools.partial(module._buffers.__setitem__, key, b))
                     module._buffers[key] = b.to(device)
@@ -730,15 +824,20 @@ def offload(model: nn.Module, slices: int = 8, *, filter: Filter | None = None, 
                 undo.append(_restorer(module.__dict__, "_apply"))
                 module._apply = types.MethodType(_checked_apply, module)  # type: ignore[method-assign]
         placed = tuple(_resident(n, m) for n, m in resident)
+        state.quantize = quantize
+        state.quantized = {id(m.weight): name or "the model" for name, m in chosen
+                           if quant[id(m)] is not None}
         if prefetch and chosen:
             step = f"planning the copies and allocating their staging on {device}"
-            state.streamer = _streamer(chosen, arena, device, staging_bytes, copy_bytes,
+            state.streamer = _streamer(chosen, arena, device, staging_bytes, copy_bytes, quant,
                                        exact=budget is not None, resident=placed,
                                        budget=budget, copy_gbps=state.copy_gbps)
             state.index_of = {id(m.weight): i for i, (_, m) in enumerate(chosen)}
         else:
             state.placement = StreamPlan((), (), (), 0, 0, 0, placed, budget, state.copy_gbps)
-        state.watched = [t for _, m in chosen for t in (m.weight, m.bias) if t is not None]
+        state.watched = [t for _, m in chosen
+                         for t in (m.weight, m.bias, m._buffers.get("weight_scale"))
+                         if t is not None]
         state.versions = [t._version for t in state.watched]  # filled by blocking copies
         undo.append(_restorer(model.__dict__, "_codegen_offload"))
         model._codegen_offload = state  # type: ignore[attr-defined]
@@ -777,9 +876,28 @@ def _layer_of(name: str) -> str:
     return ""
 
 
-def _resident(name: str, m: nn.Linear) -> Resident:
+def _resident(name: str, m: nn.Linear, quant: str | None = None) -> Resident:
     return Resident(name or "the model", m.weight.dtype, m.out_features, m.in_features,
-                    m.bias is not None)
+                    m.bias is not None, quant)
+
+
+def _quantized_into(arena: Arena, offset: int, w: torch.Tensor, kind: str,
+                    device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantizes weight ``w`` on ``device`` (the GPU where there is one: an 8B model in
+    seconds) and writes its rows, values then scales, into the arena from ``offset``;
+    returns the values (float8_e4m3fn [out, in], or int4 packed two a byte, uint8 [out,
+    in / 2]) and the scales ([out], or [out, in / 128]), views of those rows."""
+    q, scale = quantize_weight(w.detach().to(device), kind)
+    rows = pack_rows(q, scale, kind)
+    out, row = rows.shape
+    raw = arena.storage[offset:offset + out * row].view(out, row)
+    raw.copy_(rows)
+    n = row - scale[0].numel() * scale.element_size() if out else 0
+    values = torch.from_dlpack(raw[:, :n])  # storages of their own (see Arena.tensor)
+    scales = torch.from_dlpack(raw[:, n:]).view(w.dtype)
+    if kind == "fp8":
+        return values.view(FP8), scales.view(out)
+    return values, scales
 
 
 def default_staging(layouts: list[Layout] | list[Resident]) -> int:
@@ -794,7 +912,8 @@ def default_staging(layouts: list[Layout] | list[Resident]) -> int:
 
 
 def _streamer(chosen: list[tuple[str, nn.Linear]], arena: Arena, device: torch.device,
-              staging: int | None, copy_bytes: int | None, *, exact: bool = False,
+              staging: int | None, copy_bytes: int | None,
+              quant: dict[int, str | None] | None = None, *, exact: bool = False,
               resident: tuple[Resident, ...] = (), budget: int | None = None,
               copy_gbps: float = 0.0) -> Streamer:
     """The copy plan of ``chosen`` in their order, and its runner. Without ``copy_bytes``:
@@ -803,7 +922,12 @@ def _streamer(chosen: list[tuple[str, nn.Linear]], arena: Arena, device: torch.d
     copy and a row more. ``exact``: ``staging`` is a budget's, held to (four copies in
     it where it can)."""
     base = arena.storage.data_ptr()
-    layouts = layouts_of([(name or "the model", m.weight, m.bias) for name, m in chosen], base)
+    layouts = [Layout(name or "the model", m._dtype() if isinstance(m, OffloadedLinear)
+                      else m.weight.dtype, m.out_features, m.in_features,
+                      m.weight.data_ptr() - base,
+                      None if m.bias is None else m.bias.data_ptr() - base,
+                      (quant or {}).get(id(m)))
+               for name, m in chosen]
     bias_bytes = round_up(max((lay.bias_offset + lay.bias_bytes for lay in layouts
                                if lay.bias_offset is not None), default=0), ALIGN)
     ring = default_staging(layouts) if staging is None else staging
@@ -819,16 +943,48 @@ def _streamer(chosen: list[tuple[str, nn.Linear]], arena: Arena, device: torch.d
     return Streamer(plan, arena.storage, device, [(m.weight, m.bias) for _, m in chosen])
 
 
-def report(model: nn.Module) -> Report:
-    """The report of ``model``'s last forward (waits for it to finish on the GPU)."""
+def report(model: nn.Module, *, reference: nn.Module | None = None,
+           inputs: Any = None) -> Report:
+    """The report of ``model``'s last forward (waits for it to finish on the GPU). Given a
+    ``reference`` model (the model before offloading or quantizing, wherever it runs) and
+    ``inputs`` (a tensor, or a tuple of positional arguments), it first runs both on
+    them under ``torch.no_grad()`` and reports that forward, with ``logits_error``: how
+    far the offloaded model's output (its ``.logits`` where it has them) is from the
+    reference's, max absolute difference over max absolute value."""
     state = getattr(model, "_codegen_offload", None)
     if state is None:
         raise ValueError("codegen.nn.report: this model was not offloaded with "
                          "codegen.nn.offload")
+    if (reference is None) != (inputs is None):
+        raise ValueError("codegen.nn.report: give both reference= (the unquantized model) "
+                         "and inputs= to measure the logits' error, or neither")
+    error = None
+    if reference is not None:
+        args = inputs if isinstance(inputs, tuple) else (inputs,)
+        with torch.no_grad():
+            got = _logits(model(*args)).float()
+            ref_device = next(reference.parameters()).device
+            want = _logits(reference(*(a.to(ref_device) if isinstance(a, torch.Tensor)
+                                       else a for a in args))).float().to(got.device)
+        error = ((got - want).abs().max() / want.abs().max().clamp(min=1e-30)).item()
     result = state.finish()
+    if result is not None and error is not None:
+        result = state.last = dataclasses.replace(result, logits_error=error)
     if result is None:
         raise ValueError("codegen.nn.report: the offloaded model has not run a forward yet")
     return result
+
+
+def _logits(output: Any) -> torch.Tensor:
+    """A model's output as one tensor: its ``.logits`` (transformers), its first element,
+    or itself."""
+    if isinstance(output, torch.Tensor):
+        return output
+    if getattr(output, "logits", None) is not None:
+        return output.logits
+    if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
+        return output[0]
+    raise TypeError(f"codegen.nn.report: cannot read logits from a {type(output).__name__}")
 
 
 def offload_plan(model: nn.Module) -> StreamPlan:

@@ -31,6 +31,7 @@ import re
 import torch
 
 from ..cost import COPY_BYTES_PER_MS, GEMM_FLOPS_PER_MS, HBM_BYTES_PER_MS
+from . import quantize
 
 ALIGN = 256  # bytes: where each tensor of the arena starts, and each span in the ring
 
@@ -89,9 +90,13 @@ class Layout:
     in_features: int
     weight_offset: int
     bias_offset: int | None  # in the arena's bias block; None: no bias
+    quant: str | None = None  # "fp8", "int4": rows of quantized values and their scales
 
     @property
     def row_bytes(self) -> int:
+        """Bytes of one weight row in the arena (and the staging)."""
+        if self.quant is not None:
+            return quantize.row_bytes(self.quant, self.in_features, self.dtype)
         return self.in_features * self.dtype.itemsize
 
     @property
@@ -116,10 +121,18 @@ class Resident:
     out_features: int
     in_features: int
     bias: bool
+    quant: str | None = None  # how it is streamed where it is (resident: as it is)
 
     @property
     def weight_bytes(self) -> int:
         return self.out_features * self.in_features * self.dtype.itemsize
+
+    @property
+    def streamed_row_bytes(self) -> int:
+        """Bytes of a weight row in the arena, where it is streamed."""
+        if self.quant is not None:
+            return quantize.row_bytes(self.quant, self.in_features, self.dtype)
+        return self.in_features * self.dtype.itemsize
 
     @property
     def nbytes(self) -> int:
@@ -281,8 +294,9 @@ class StreamPlan:
         lines.append("calls (the caller's stream):")
         for call in self.calls:
             lay = self.layouts[call.linear]
+            quant = f", streamed as {lay.quant}" if lay.quant else ""
             lines.append(f"  {lay.name}: [{lay.out_features}, {lay.in_features}] "
-                         f"{str(lay.dtype).removeprefix('torch.')}")
+                         f"{str(lay.dtype).removeprefix('torch.')}{quant}")
             for piece in call.pieces:
                 r0, r1 = piece.rows
                 waits = [piece.span] + ([call.bias_span] if call.bias_span is not None else [])
@@ -292,9 +306,12 @@ class StreamPlan:
                     at = lay.bias_offset + r0 * lay.dtype.itemsize
                     bias = f", biases[{at}:{at + (r1 - r0) * lay.dtype.itemsize}]"
                 frees = "".join(f"; RecordEvent(freed[{j}])" for j in piece.frees)
+                weight = (f"ring[{piece.ring_offset}:{end}] as [{r1 - r0}, "
+                          f"{lay.in_features}]")
+                if lay.quant is not None:  # values and scales of each row, dequantized
+                    weight = f"Dequantize({weight} {lay.quant})"
                 lines.append(f"    WaitEvent({', '.join(f'copied[{j}]' for j in waits)}); "
-                             f"Linear(x, ring[{piece.ring_offset}:{end}] as [{r1 - r0}, "
-                             f"{lay.in_features}]{bias}, out=y[:, {r0}:{r1}]){frees}")
+                             f"Linear(x, {weight}{bias}, out=y[:, {r0}:{r1}]){frees}")
         return "\n".join(lines)
 
 
@@ -449,7 +466,7 @@ def plan_stream(layouts: list[Layout] | tuple[Layout, ...], order: list[int] | t
 def least_staging(linears: list[Resident] | tuple[Resident, ...]) -> int:
     """The least GPU memory that streaming every one of ``linears`` needs: a ring holding
     one copy of the widest weight row, and the bias buffer."""
-    widest = max((lay.in_features * lay.dtype.itemsize for lay in linears), default=0)
+    widest = max((lay.streamed_row_bytes for lay in linears), default=0)
     return widest + ALIGN + _bias_block(linears)
 
 

@@ -42,7 +42,8 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import InternalError
-from .plan import Layout, StreamPlan, plan_stream
+from .plan import StreamPlan, plan_stream
+from .quantize import unpack_rows
 
 
 class OrderCheck:
@@ -253,7 +254,10 @@ class Streamer:
             for piece in call.pieces:
                 r0, r1 = piece.rows
                 lo, hi = piece.ring_offset, piece.ring_offset + (r1 - r0) * lay.row_bytes
-                w = self.ring[lo:hi].view(lay.dtype).view(r1 - r0, lay.in_features)
+                if lay.quant is None:
+                    w = self.ring[lo:hi].view(lay.dtype).view(r1 - r0, lay.in_features)
+                else:  # the rows' values and scales, dequantized at each call
+                    w = self.ring[lo:hi].view(r1 - r0, lay.row_bytes)
                 b, b_lo, b_hi = None, 0, 0
                 if lay.bias_offset is not None:
                     b_lo = lay.bias_offset + r0 * lay.dtype.itemsize
@@ -418,6 +422,8 @@ class Streamer:
             self.backend.read(stream, "ring", lo, hi)
             if b is not None:
                 self.backend.read(stream, "biases", b_lo, b_hi)
+            if lay.quant is not None:
+                w = unpack_rows(w, lay.quant, lay.in_features, lay.dtype)
             if single:
                 out = F.linear(x, w, b)
             elif b is None:
@@ -447,25 +453,23 @@ class Streamer:
             self._pump()
 
     def unplanned(self, x: torch.Tensor, weight: torch.Tensor,
-                  bias: torch.Tensor | None) -> torch.Tensor:
-        """A call off the plan: its weight (and bias) copied whole on the caller's stream."""
+                  bias: torch.Tensor | None, linear: int | None = None) -> torch.Tensor:
+        """A call off the plan: its weight (and bias) copied whole on the caller's stream;
+        a quantized one (Linear ``linear`` of the plan) as its arena rows, dequantized
+        there."""
+        lay = self.plan.layouts[linear] if linear is not None else None
+        if lay is not None and lay.quant is not None:
+            weight = self.arena[lay.weight_offset:lay.weight_offset + lay.weight_bytes].view(
+                lay.out_features, lay.row_bytes)
         if self.now is not None and self.active == threading.get_ident():
             self.now.unplanned_calls += 1
             for t in (weight, bias):
                 if t is not None and t.numel():
                     self.now.copies += 1
                     self.now.bytes += t.numel() * t.element_size()
-        if self.device.type == "cpu":
-            return F.linear(x, weight, bias)
-        w = weight.to(self.device, non_blocking=True)
-        b = bias.to(self.device, non_blocking=True) if bias is not None else None
-        return F.linear(x, w, b)
-
-
-def layouts_of(named: Sequence[tuple[str, torch.Tensor, torch.Tensor | None]],
-               arena_base: int) -> list[Layout]:
-    """The Layouts of Linears given as (name, weight, bias) whose tensors lie in an arena
-    starting at address ``arena_base``."""
-    return [Layout(name, w.dtype, w.shape[0], w.shape[1], w.data_ptr() - arena_base,
-                   None if b is None else b.data_ptr() - arena_base)
-            for name, w, b in named]
+        if self.device.type != "cpu":
+            weight = weight.to(self.device, non_blocking=True)
+            bias = bias.to(self.device, non_blocking=True) if bias is not None else None
+        if lay is not None and lay.quant is not None:
+            weight = unpack_rows(weight, lay.quant, lay.in_features, lay.dtype)
+        return F.linear(x, weight, bias)

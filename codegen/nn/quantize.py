@@ -1,0 +1,133 @@
+"""Weight-only quantization of offloaded Linears: fewer bytes over PCIe, dequantized on the
+GPU between a span's copy and the GEMM piece that reads it.
+
+Two forms, each one scale per group of a row, the scales in the weight's dtype:
+
+- ``fp8``: ``float8_e4m3fn`` values, one scale per output row (the row's largest
+  magnitude over 448, e4m3fn's largest finite value);
+- ``int4``: symmetric integers in [-8, 7], one scale per group of ``INT4_GROUP`` input
+  features (the group's largest magnitude over 7), two values a byte in the arena (the
+  even feature in the low nibble).
+
+The layer then computes ``F.linear(x, q.to(dtype) * scale)``, ``scale`` broadcast over its
+group (the reference semantics: :func:`dequantize_reference`).
+
+In the arena a quantized weight is ``out_features`` rows of ``row_bytes(...)`` bytes, each
+its quantized values followed by its scales, so that a span of rows (a GEMM piece) carries
+the scales it needs and a copy plan cuts quantized weights exactly as it cuts others.
+"""
+
+from __future__ import annotations
+
+import torch
+
+FORMATS = ("fp8", "int4")
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0
+INT4_GROUP = 128
+INT4_MAX = 7
+
+
+def check_format(kind: object) -> str | None:
+    """``kind`` if it names a format (or is None), else a ValueError naming the choices."""
+    if kind is None or kind in FORMATS:
+        return kind  # type: ignore[return-value]
+    raise ValueError(f"codegen.nn.offload: quantize must be None, 'fp8' or 'int4', got "
+                     f"{kind!r}")
+
+
+def unsupported(kind: str, in_features: int, dtype: torch.dtype) -> str | None:
+    """Why a weight of ``in_features`` columns in ``dtype`` cannot be quantized to ``kind``
+    (None where it can)."""
+    if dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        return f"its weight is {dtype}; quantize takes bfloat16, float16 or float32 weights"
+    if kind == "int4" and in_features % INT4_GROUP:
+        return (f"in_features = {in_features} is not a multiple of int4's group of "
+                f"{INT4_GROUP} input features")
+    if kind == "fp8" and in_features % dtype.itemsize:
+        return (f"in_features = {in_features} is not a multiple of {dtype.itemsize} (each "
+                "row's scale must start at a multiple of its size)")
+    return None
+
+
+def groups(kind: str, in_features: int) -> int:
+    """Scales per row."""
+    return 1 if kind == "fp8" else in_features // INT4_GROUP
+
+
+def row_bytes(kind: str, in_features: int, dtype: torch.dtype) -> int:
+    """Bytes of one quantized row in the arena: its values, then its scales."""
+    values = in_features if kind == "fp8" else in_features // 2
+    return values + groups(kind, in_features) * dtype.itemsize
+
+
+def quantize_weight(w: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(q, scale)`` of weight ``w`` [out, in] as offload stores them: for ``fp8``, ``q``
+    float8_e4m3fn [out, in] and ``scale`` [out]; for ``int4``, ``q`` int8 [out, in] in
+    [-8, 7] (unpacked: the arena packs two a byte) and ``scale`` [out, in / 128]. ``scale``
+    is in ``w``'s dtype; ``q.to(dtype) * scale`` (broadcast over each group) approximates
+    ``w``. Runs where ``w`` is (a GPU quantizes an 8B model's weights in seconds)."""
+    check_format(kind)
+    if kind is None:
+        raise ValueError("codegen.nn.quantize_weight: kind must be 'fp8' or 'int4', got None")
+    if w.dim() != 2:
+        raise ValueError(f"codegen.nn.quantize_weight: expected a 2-D weight [out, in], got "
+                         f"shape {tuple(w.shape)}")
+    why = unsupported(kind, w.shape[1], w.dtype)
+    if why is not None:
+        raise ValueError(f"codegen.nn.quantize_weight: {why}")
+    w = w.detach()
+    if kind == "fp8":
+        amax = w.abs().amax(dim=1).float()
+        scale = (amax / FP8_MAX).clamp(min=torch.finfo(torch.float32).tiny).to(w.dtype)
+        q = (w.float() / scale.float()[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+        return q, scale
+    out, inp = w.shape
+    grouped = w.float().view(out, inp // INT4_GROUP, INT4_GROUP)
+    amax = grouped.abs().amax(dim=2)
+    scale = (amax / INT4_MAX).clamp(min=torch.finfo(torch.float32).tiny).to(w.dtype)
+    q = torch.round(grouped / scale.float()[:, :, None]).clamp(-8, INT4_MAX)
+    return q.to(torch.int8).view(out, inp), scale
+
+
+def dequantize_reference(q: torch.Tensor, scale: torch.Tensor,
+                         dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """The weight the layer computes with: ``q.to(dtype) * scale``, each scale over its
+    group of columns (one per row for fp8, ``INT4_GROUP`` columns for int4)."""
+    if scale.dim() == 1:
+        return q.to(dtype) * scale.to(dtype)[:, None]
+    out, inp = q.shape
+    g = inp // scale.shape[1]
+    return (q.to(dtype).view(out, scale.shape[1], g) * scale.to(dtype)[:, :, None]).view(
+        out, inp)
+
+
+def pack_rows(q: torch.Tensor, scale: torch.Tensor, kind: str) -> torch.Tensor:
+    """The arena's rows of a quantized weight (uint8 [out, row_bytes]): each row's values
+    (int4 packed two a byte, the even column low), then its scales' bytes."""
+    out = q.shape[0]
+    if kind == "fp8":
+        values = q.view(torch.uint8)
+    else:
+        u = q.view(out, -1, 2).to(torch.uint8) & 0x0F
+        values = u[:, :, 0] | (u[:, :, 1] << 4)
+    scales = scale.contiguous().view(out, -1).view(torch.uint8)
+    return torch.cat((values, scales), dim=1)
+
+
+def unpack_rows(raw: torch.Tensor, kind: str, in_features: int,
+                dtype: torch.dtype) -> torch.Tensor:
+    """The weight rows (``dtype`` [rows, in_features]) of raw arena rows (uint8 [rows,
+    row_bytes], a view of the staging or a copy): ``dequantize_reference`` of what
+    ``pack_rows`` stored, run where ``raw`` is."""
+    rows = raw.shape[0]
+    n = in_features if kind == "fp8" else in_features // 2
+    values, scales = raw[:, :n], raw[:, n:]
+    scale = scales.contiguous().view(dtype) if rows else scales.new_empty(
+        0, groups(kind, in_features), dtype=dtype)
+    if kind == "fp8":
+        return values.view(FP8).to(dtype) * scale
+    low = (values << 4).view(torch.int8) >> 4  # sign-extended low nibble
+    high = values.view(torch.int8) >> 4
+    q = torch.stack((low, high), dim=2).view(rows, in_features)
+    return dequantize_reference(q, scale.view(rows, -1), dtype)

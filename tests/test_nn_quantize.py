@@ -1,0 +1,269 @@
+"""Weight-only quantization of offloaded Linears (``offload(..., quantize="fp8" | "int4")``),
+on the CPU: ``quantize_weight`` against its definition, each offloaded Linear against the
+torch reference ``F.linear(x, q.to(dtype) * scale)`` for every dtype the offload takes,
+pieces and ring wraps included, generate, the report's quantized bytes and logits error,
+the state dict, the budget, and the refusals."""
+
+import copy
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import tiny_llama
+from torch import nn
+
+import codegen.nn
+from codegen.nn.quantize import (
+    FP8,
+    INT4_GROUP,
+    dequantize_reference,
+    pack_rows,
+    row_bytes,
+    unpack_rows,
+)
+
+KINDS = ("fp8", "int4")
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def reference_weight(w, kind):
+    """The weight the layer must compute with, written out from the definition."""
+    q, scale = codegen.nn.quantize_weight(w, kind)
+    if kind == "fp8":
+        return q.to(w.dtype) * scale[:, None]
+    return q.to(w.dtype) * scale.repeat_interleave(INT4_GROUP, dim=1)
+
+
+# ---------------------------------------------------------------------------- quantize_weight
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fp8_is_e4m3fn_with_one_scale_per_row(dtype):
+    torch.manual_seed(0)
+    w = torch.randn(96, 64, dtype=dtype) * torch.logspace(-3, 2, 96, dtype=dtype)[:, None]
+    q, scale = codegen.nn.quantize_weight(w, "fp8")
+    assert q.dtype == FP8 and q.shape == (96, 64)
+    assert scale.dtype == dtype and scale.shape == (96,)
+    # Each row's largest magnitude lands on e4m3fn's largest value (448), within the
+    # scale's rounding to the weight's dtype.
+    top = q.float().abs().amax(dim=1)
+    assert torch.all((top > 448 * 0.98) & (top <= 448))
+    # e4m3fn keeps 3 mantissa bits: each value within 1/16 of itself (plus the scale's
+    # rounding), or the subnormals' step near zero.
+    w_hat = (q.float() * scale.float()[:, None])
+    err = (w_hat - w.float()).abs()
+    assert torch.all(err <= w.float().abs() / 16 + scale.float()[:, None] * 2**-6
+                     + w.float().abs() * 2**-7)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_int4_is_symmetric_in_groups_of_128(dtype):
+    torch.manual_seed(1)
+    w = torch.randn(40, 384, dtype=dtype)
+    w[3, 128:256] *= 100  # one group far larger than its neighbours
+    q, scale = codegen.nn.quantize_weight(w, "int4")
+    assert q.dtype == torch.int8 and q.shape == (40, 384)
+    assert int(q.min()) >= -8 and int(q.max()) <= 7
+    assert scale.dtype == dtype and scale.shape == (40, 3)
+    groups = w.float().view(40, 3, 128)
+    expected = (groups.abs().amax(dim=2) / 7).to(dtype)
+    assert torch.equal(scale, expected)
+    # Rounded to the nearest step: within half a step (the scale's rounding aside).
+    w_hat = q.float().view(40, 3, 128) * scale.float()[:, :, None]
+    assert torch.all((w_hat - groups).abs() <= scale.float()[:, :, None] * 0.5 * 1.01)
+    assert scale[3, 1] > 50 * scale[3, 0]  # the large group has a scale of its own
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rows_packed_for_the_arena_unpack_to_the_reference(kind, dtype):
+    torch.manual_seed(2)
+    w = torch.randn(50, 256, dtype=dtype)
+    q, scale = codegen.nn.quantize_weight(w, kind)
+    rows = pack_rows(q, scale, kind)
+    assert rows.dtype == torch.uint8 and rows.shape == (50, row_bytes(kind, 256, dtype))
+    want = reference_weight(w, kind)
+    assert torch.equal(dequantize_reference(q, scale, dtype), want)
+    assert torch.equal(unpack_rows(rows, kind, 256, dtype), want)
+    assert torch.equal(unpack_rows(rows[7:31], kind, 256, dtype), want[7:31])  # a piece
+
+
+def test_bad_weights_are_refused_by_name():
+    with pytest.raises(ValueError, match="kind must be 'fp8' or 'int4'"):
+        codegen.nn.quantize_weight(torch.randn(4, 128), None)
+    with pytest.raises(ValueError, match="quantize must be None, 'fp8' or 'int4', got 'int8'"):
+        codegen.nn.quantize_weight(torch.randn(4, 128), "int8")
+    with pytest.raises(ValueError, match="in_features = 100 is not a multiple of int4's group"):
+        codegen.nn.quantize_weight(torch.randn(4, 100), "int4")
+    with pytest.raises(ValueError, match="expected a 2-D weight"):
+        codegen.nn.quantize_weight(torch.randn(4, 128, 2), "fp8")
+
+
+# ---------------------------------------------------------------------------- offloaded
+
+
+class Stack(nn.Module):
+    def __init__(self, dtype, bias):
+        super().__init__()
+        torch.manual_seed(3)
+        self.a = nn.Linear(256, 384, bias=bias).to(dtype)
+        self.b = nn.Linear(384, 256, bias=bias).to(dtype)
+        self.c = nn.Linear(256, 128, bias=bias).to(dtype)
+
+    def forward(self, x):
+        return self.c(torch.relu(self.b(torch.relu(self.a(x)))))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bias", [False, True])
+def test_each_offloaded_linear_equals_the_torch_reference(kind, dtype, bias):
+    ref = Stack(dtype, bias)
+    weights = {n: reference_weight(m.weight, kind) for n, m in ref.named_children()}
+    # A ring of a few rows, copies of 64 rows: every weight in pieces, the ring wrapping.
+    model = codegen.nn.offload(copy.deepcopy(ref), device="cpu", quantize=kind,
+                               staging=3 * 64 * 400, copy_size=64 * 400)
+    plan = codegen.nn.offload_plan(model)
+    assert all(lay.quant == kind for lay in plan.layouts)
+    assert any(len(call.pieces) > 1 for call in plan.calls)
+    torch.manual_seed(4)
+    x = torch.randn(5, 256, dtype=dtype)
+    tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}[dtype]
+
+    def reference(h):
+        for n, m in ref.named_children():
+            h = F.linear(h, weights[n], m.bias)
+            h = torch.relu(h) if n != "c" else h
+        return h
+
+    with torch.no_grad():
+        want = reference(x)
+        for _ in range(3):  # by the plan: pieces, the ring wrapping, the next forward's spans
+            torch.testing.assert_close(model(x), want, rtol=tol, atol=tol)
+        r = codegen.nn.report(model)
+        assert r.unplanned_calls == 0 and r.quantize == kind and r.linears == 3
+        # Called outside the model's forward: the weight's rows copied whole, dequantized.
+        torch.testing.assert_close(model.a(x), F.linear(x, weights["a"], ref.a.bias),
+                                   rtol=tol, atol=tol)
+
+
+def quantized_reference(ref, kind, keep=lambda n: n != "lm_head"):
+    """``ref`` with each kept Linear's weight replaced by its dequantized quantization."""
+    out = copy.deepcopy(ref)
+    for n, m in out.named_modules():
+        if type(m) is nn.Linear and keep(n):
+            m.weight.data = reference_weight(m.weight.data, kind)
+    return out
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_quantized_llama_forwards_and_generates_as_its_reference(kind):
+    ref = tiny_llama(dtype=torch.bfloat16, seed=5, hidden=128, intermediate=256)
+    want = quantized_reference(ref, kind)
+    model = codegen.nn.offload(copy.deepcopy(ref), device="cpu", quantize=kind,
+                               filter=lambda n, m: n != "lm_head")
+    ids = torch.randint(0, 97, (2, 7))
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, want(ids).logits, rtol=2e-2, atol=2e-2)
+    mask = torch.ones(1, 5, dtype=torch.long)
+    prompt = ids[:1, :5]
+    assert torch.equal(
+        model.generate(prompt, attention_mask=mask, max_new_tokens=5, do_sample=False),
+        want.generate(prompt, attention_mask=mask, max_new_tokens=5, do_sample=False))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_report_counts_quantized_bytes_and_the_logits_error(kind):
+    ref = tiny_llama(dtype=torch.bfloat16, seed=6, hidden=128, intermediate=256)
+    model = codegen.nn.offload(copy.deepcopy(ref), device="cpu", quantize=kind,
+                               filter=lambda n, m: n != "lm_head")
+    ids = torch.randint(0, 97, (1, 6))
+    r = codegen.nn.report(model, reference=ref, inputs=ids)
+    linears = [m for n, m in ref.named_modules() if type(m) is nn.Linear and n != "lm_head"]
+    per_value = 1 if kind == "fp8" else 0.5
+    scales = lambda m: m.out_features * (1 if kind == "fp8" else m.in_features // 128)  # noqa: E731
+    expected = sum(int(m.weight.numel() * per_value) + 2 * scales(m) for m in linears)
+    assert r.bytes_moved == expected < sum(m.weight.numel() * 2 for m in linears)
+    with torch.no_grad():
+        got, want = model(ids).logits.float(), ref(ids).logits.float()
+    assert r.logits_error == pytest.approx(
+        ((got - want).abs().max() / want.abs().max()).item())
+    assert 0 < r.logits_error < (0.1 if kind == "fp8" else 0.5)
+    assert r.quantize == kind
+    with pytest.raises(ValueError, match="give both reference= .* and inputs="):
+        codegen.nn.report(model, reference=ref)
+
+
+def test_a_weight_the_format_cannot_take_is_streamed_as_it_is():
+    torch.manual_seed(7)
+    ref = nn.Sequential(nn.Linear(128, 64), nn.ReLU(), nn.Linear(64, 32)).to(torch.bfloat16)
+    model = codegen.nn.offload(copy.deepcopy(ref), device="cpu", quantize="int4")
+    plan = codegen.nn.offload_plan(model)
+    assert [lay.quant for lay in plan.layouts] == ["int4", None]  # 64 is not a group
+    assert model[2].weight.dtype == torch.bfloat16
+    x = torch.randn(3, 128, dtype=torch.bfloat16)
+    with torch.no_grad():
+        h = torch.relu(F.linear(x, reference_weight(ref[0].weight, "int4"), ref[0].bias))
+        torch.testing.assert_close(model(x), ref[2](h))
+
+
+def test_backward_through_a_quantized_weight_is_refused_by_name():
+    ref = Stack(torch.float32, True)
+    model = codegen.nn.offload(copy.deepcopy(ref), device="cpu", quantize="fp8")
+    assert not model.a.weight.requires_grad and model.a.weight.dtype == FP8
+    x = torch.randn(2, 256, requires_grad=True)
+    y = model(x)  # values in grad mode too
+    with torch.no_grad():
+        torch.testing.assert_close(y, model(x))
+    with pytest.raises(RuntimeError, match=r"codegen.nn.offload: c: backward through a weight "
+                                           r"quantized to fp8 is not supported"):
+        y.sum().backward()
+
+
+def test_the_state_dict_holds_the_quantized_weights_and_loads_back():
+    ref = Stack(torch.bfloat16, True)
+    model = codegen.nn.offload(copy.deepcopy(ref), device="cpu", quantize="int4")
+    state = model.state_dict()
+    assert state["a.weight"].dtype == torch.uint8 and state["a.weight"].shape == (384, 128)
+    assert state["a.weight_scale"].shape == (384, 2)
+    other = codegen.nn.offload(Stack(torch.bfloat16, True), device="cpu", quantize="int4")
+    with torch.no_grad():
+        for p in other.parameters():
+            p.zero_()
+        other.load_state_dict(state)
+    x = torch.randn(4, 256, dtype=torch.bfloat16)
+    with torch.no_grad():
+        assert torch.equal(other(x), model(x))
+
+
+def test_a_budget_keeps_residents_as_they_are_and_streams_the_rest_quantized():
+    ref = tiny_llama(dtype=torch.bfloat16, seed=8, layers=3, hidden=128, intermediate=256)
+    total = sum(m.weight.numel() * 2 for n, m in ref.named_modules()
+                if type(m) is nn.Linear and n != "lm_head")
+    model = codegen.nn.offload(copy.deepcopy(ref), device="cpu", quantize="fp8",
+                               gpu_budget=total // 2, filter=lambda n, m: n != "lm_head")
+    plan = codegen.nn.offload_plan(model)
+    assert plan.resident and plan.layouts and plan.gpu_bytes <= total // 2
+    assert all(lay.quant == "fp8" for lay in plan.layouts)
+    resident = {r.name for r in plan.resident}
+    want = quantized_reference(ref, "fp8", keep=lambda n: n != "lm_head" and n not in resident)
+    ids = torch.randint(0, 97, (2, 6))
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, want(ids).logits, rtol=2e-2, atol=2e-2)
+
+
+def test_quantize_needs_the_copy_plan_and_a_known_format():
+    with pytest.raises(ValueError, match="quantize must be None, 'fp8' or 'int4', got 'nf4'"):
+        codegen.nn.offload(Stack(torch.float32, False), device="cpu", quantize="nf4")
+    with pytest.raises(ValueError, match="quantize needs prefetch=True"):
+        codegen.nn.offload(Stack(torch.float32, False), device="cpu", quantize="fp8",
+                           prefetch=False)
+
+
+def test_the_plan_prints_each_piece_dequantized():
+    model = codegen.nn.offload(Stack(torch.bfloat16, False), device="cpu", quantize="int4")
+    text = str(codegen.nn.offload_plan(model))
+    assert "  a: [384, 256] bfloat16, streamed as int4" in text
+    assert re.search(r"Linear\(x, Dequantize\(ring\[\d+:\d+\] as \[\d+, 256\] int4\), "
+                     r"out=y\[:, 0:\d+\]\)", text)
