@@ -20,7 +20,10 @@ once and timed interleaved:
 - prefetch: the hand-written layer prefetch of ``offload_llama`` (every weight streamed);
 - gpu: the model with every weight on the GPU;
 - copy_p<p>: the weights codegen_p<p> streams copied alone, whole, back to back from its
-  pinned arena on one stream (the floor of that budget).
+  pinned arena on one stream (the floor of that budget);
+- with ``--quantize fp8,int4``: codegen_p<p>_<kind> (``quantize=<kind>``, at each budget of
+  ``--quantize-budgets``, default 0) and copy_p<p>_<kind>, the floor of its quantized
+  bytes; ``prefetch_over`` is the prefetch's (bf16) ms over the row's.
 
 Steps: prefills of ``--tokens`` tokens (1: the decode step of ``offload_llama``, one token
 after a 512-token prompt with a ``DynamicCache``), and with ``--generate N`` greedy
@@ -123,7 +126,7 @@ class Built:
         self.name, self.model, self.call, self.keep, self.facts = name, model, call, keep, facts
 
 
-def codegen_row(config: Any, percent: int) -> Built:
+def codegen_row(config: Any, percent: int, quantize: str | None = None) -> Built:
     """The model offloaded from host memory (where a model that does not fit is), so that
     offload()'s own peak is what it puts on the GPU: the rest of the model, the resident
     Linears and the staging."""
@@ -134,7 +137,9 @@ def codegen_row(config: Any, percent: int) -> Built:
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated() + rest  # what the rest of the model will take
     torch.cuda.reset_peak_memory_stats()
-    codegen.nn.offload(model, filter=is_decoder_linear, gpu_budget=budget)
+    started = time.perf_counter()
+    codegen.nn.offload(model, filter=is_decoder_linear, gpu_budget=budget, quantize=quantize)
+    offload_s = time.perf_counter() - started
     torch.cuda.synchronize()
     gc.collect()
     plan = codegen.nn.offload_plan(model)
@@ -148,9 +153,10 @@ def codegen_row(config: Any, percent: int) -> Built:
         "offload_peak_mib": (torch.cuda.max_memory_allocated() - base) / 2**20,
         "pinned_over_streamed": arena.nbytes / max(plan.streamed_bytes, 1),
         "expected_decode_ms": plan.expected_ms(1), "expected_prefill4096_ms":
-        plan.expected_ms(4096), "rest_mib": rest / 2**20}
+        plan.expected_ms(4096), "rest_mib": rest / 2**20, "offload_s": offload_s}
     print(plan.placement().splitlines()[0] + f"  [{format_bytes(budget)} budget]")
-    return Built(f"codegen_p{percent}", model, **facts)
+    suffix = f"_{quantize}" if quantize else ""
+    return Built(f"codegen_p{percent}{suffix}", model, **facts)
 
 
 def copy_row(source: Built) -> Built:
@@ -192,13 +198,14 @@ def make(name: str, config: Any, built: dict[str, Built]) -> Built:
     if name == "prefetch":
         model = build(config)
         return Built(name, model, keep=LayerPrefetch(model))
-    kind, _, percent = name.rpartition("_p")
+    found = re.fullmatch(r"([a-z]+)_p([0-9]+)(?:_(fp8|int4))?", name)
+    kind, percent, quantize = found.groups() if found else (None, None, None)
     if kind == "codegen":
-        return codegen_row(config, int(percent))
+        return codegen_row(config, int(percent), quantize)
     if kind == "accelerate":
         return accelerate_row(config, int(percent))
     if kind == "copy":
-        return copy_row(built[f"codegen_p{percent}"])
+        return copy_row(built[name.replace("copy", "codegen", 1)])
     raise ValueError(f"unknown row {name!r}")
 
 
@@ -238,18 +245,24 @@ def rows_of(step: str, tokens: int, times: dict[str, list[float]],
     to max(its copy floor, the GPU-resident model) and to accelerate's at that budget."""
     rows = []
     for v, t in times.items():
-        found = re.fullmatch(r"[a-z]+_p([0-9]+)", v)
+        found = re.fullmatch(r"[a-z]+_p([0-9]+)(_fp8|_int4)?", v)
         percent = found.group(1) if found else "0" if v == "prefetch" else None
-        floor = times.get(f"copy_p{percent}") if percent is not None else None
+        suffix = (found.group(2) or "") if found else ""
+        floor = times.get(f"copy_p{percent}{suffix}") if percent is not None else None
         gpu = times.get("gpu")
-        accel = times.get(f"accelerate_p{percent}") if percent is not None else None
+        accel = (times.get(f"accelerate_p{percent}") if percent is not None and not suffix
+                 else None)
+        prefetch = times.get("prefetch")
 
         def ratio(den: list[float] | None, t: list[float] = t) -> float | None:
             return statistics.median(a / b for a, b in zip(t, den)) if den else None
 
         bound = ([max(f, g) for f, g in zip(floor, gpu)] if floor and gpu else floor)
         rows.append({"step": step, "tokens": tokens, "variant": v, "ms": statistics.median(t),
-                     "vs_floor": ratio(bound), "accelerate_over": (
+                     "vs_floor": ratio(bound),
+                     "prefetch_over": (statistics.median(b / a for a, b in zip(t, prefetch))
+                                       if prefetch else None),
+                     "accelerate_over": (
                          statistics.median(b / a for a, b in zip(t, accel)) if accel else None),
                      "rounds": len(t), **{k: x for k, x in built[v].facts.items()
                                           if not isinstance(x, float) or k.endswith("mib")}})
@@ -274,11 +287,12 @@ def table(rows: list[dict[str, Any]]) -> str:
     def f(x: Any) -> str:
         return f"{x:9.3f}" if isinstance(x, float) else f"{'-':>9}"
 
-    lines = [f"{'step':9}{'tokens':>7} {'variant':16}{'ms':>10}{'tok/s':>9}{'vs floor':>9}"
-             f"{'accel/x':>9}"]
+    lines = [f"{'step':9}{'tokens':>7} {'variant':20}{'ms':>10}{'tok/s':>9}{'vs floor':>9}"
+             f"{'accel/x':>9}{'pref/x':>9}"]
     for r in rows:
-        lines.append(f"{r['step']:9}{r['tokens']:7} {r['variant']:16}{r['ms']:10.2f}"
-                     f"{f(r.get('tokens_per_s'))}{f(r['vs_floor'])}{f(r['accelerate_over'])}")
+        lines.append(f"{r['step']:9}{r['tokens']:7} {r['variant']:20}{r['ms']:10.2f}"
+                     f"{f(r.get('tokens_per_s'))}{f(r['vs_floor'])}{f(r['accelerate_over'])}"
+                     f"{f(r['prefetch_over'])}")
     return "\n".join(lines)
 
 
@@ -297,6 +311,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--variants", default="codegen,accelerate,prefetch,gpu,copy")
+    parser.add_argument("--quantize", default="", help="fp8, int4 or both, comma-separated")
+    parser.add_argument("--quantize-budgets", default="0")
     parser.add_argument("--dry-run", action="store_true")
     args = parser.parse_args(argv)
     try:
@@ -304,11 +320,15 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         args.accelerate_budgets = [int(b) for b in args.accelerate_budgets.split(",")
                                    if b.strip()]
         args.tokens = [int(t) for t in args.tokens.split(",") if t.strip()]
+        args.quantize_budgets = [int(b) for b in args.quantize_budgets.split(",") if b.strip()]
     except ValueError:
         parser.error("--budgets, --accelerate-budgets, --tokens: comma-separated integers")
     if any(not 0 <= b < 100 for b in args.budgets + args.accelerate_budgets):
         parser.error("budgets: percents in [0, 100)")
     args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    args.quantize = [q.strip() for q in args.quantize.split(",") if q.strip()]
+    if any(q not in ("fp8", "int4") for q in args.quantize):
+        parser.error("--quantize: fp8, int4 or both")
     return args
 
 
@@ -323,6 +343,9 @@ def row_names(args: argparse.Namespace) -> list[str]:
             names.append(f"codegen_p{p}")
         if "copy" in args.variants:
             names.append(f"copy_p{p}")
+    for kind in args.quantize:
+        for p in args.quantize_budgets:
+            names += [f"codegen_p{p}_{kind}", f"copy_p{p}_{kind}"]
     if "prefetch" in args.variants:
         names.append("prefetch")
     if "accelerate" in args.variants and importlib.util.find_spec("accelerate") is not None:

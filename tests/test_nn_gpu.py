@@ -183,3 +183,53 @@ def test_a_weight_written_on_the_gpu_between_forwards_is_read_new(cache_dir):
         got = model(ids, use_cache=False).logits
         torch.testing.assert_close(got, ref(ids, use_cache=False).logits, rtol=1e-5,
                                    atol=1e-5)
+
+
+@pytest.mark.parametrize("share", [0.25, 0.6])
+def test_a_gpu_budget_bounds_the_offloaded_weights_on_the_gpu(share):
+    torch.manual_seed(0)
+    ref = tiny_llama(torch.bfloat16)
+    linears = [(n, m) for n, m in ref.named_modules() if isinstance(m, nn.Linear)]
+    total = sum(m.weight.numel() * 2 for _, m in linears)
+    rest = sum(p.numel() * 2 for p in ref.parameters()) - total
+    budget = int(share * total)
+    model = copy.deepcopy(ref)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    codegen.nn.offload(model, gpu_budget=budget)
+    torch.cuda.synchronize()
+    held = torch.cuda.memory_allocated() - before - rest
+    peak = torch.cuda.max_memory_allocated() - before - rest
+    plan = codegen.nn.offload_plan(model)
+    assert plan.resident and plan.streamed
+    assert held <= budget and peak <= budget, (held, peak, budget)
+    ids = torch.randint(0, 101, (2, 11), device="cuda")
+    ref = ref.cuda()
+    with torch.no_grad():
+        for _ in range(2):
+            got, expect = model(ids).logits.float(), ref(ids).logits.float()
+            assert ((got - expect).norm() / expect.norm()).item() < 2e-2
+    assert codegen.nn.report(model).unplanned_calls == 0
+    assert codegen.nn.arena(model).nbytes <= 1.02 * plan.streamed_bytes + 256 * len(linears)
+
+
+@pytest.mark.parametrize("kind", ["fp8", "int4"])
+def test_quantized_linears_match_the_dequantized_reference_on_the_gpu(kind):
+    from codegen.nn.quantize import dequantize_reference
+
+    ref = tiny_llama(torch.bfloat16)
+    want = copy.deepcopy(ref)
+    for m in want.modules():
+        if isinstance(m, nn.Linear):
+            m.weight.data = dequantize_reference(
+                *codegen.nn.quantize_weight(m.weight.data.cuda(), kind)).cpu()
+    model = codegen.nn.offload(copy.deepcopy(ref), quantize=kind)
+    want = want.cuda()
+    ids = torch.randint(0, 101, (2, 11), device="cuda")
+    with torch.no_grad():
+        for _ in range(2):
+            got, expect = model(ids).logits.float(), want(ids).logits.float()
+            assert ((got - expect).norm() / expect.norm()).item() < 2e-2
+    r = codegen.nn.report(model, reference=ref.cuda(), inputs=ids)
+    assert r.quantize == kind and r.unplanned_calls == 0 and 0 < r.logits_error < 0.5
