@@ -403,6 +403,20 @@ def main(argv: list[str] | None = None) -> int:
             b.facts["logits_error"] = ((logits - reference).abs().max()
                                        / reference.abs().max()).item()
     rows: list[dict[str, Any]] = []
+
+    def save() -> None:
+        """offload_budget.json as far as the run got (written after each step)."""
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "offload_budget.json").write_text(json.dumps({
+            "date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name(),
+            "torch": torch.__version__, "transformers": transformers.__version__,
+            "layers": args.layers, "notes": notes, "rows": rows,
+            "setup": {v: b.facts for v, b in built.items()},
+            "placements": {v: codegen.nn.offload_plan(b.model).placement()
+                           for v, b in built.items() if v.startswith("codegen")}},
+            indent=1, default=str) + "\n")
+
+    save()
     for tokens in args.tokens:
         try:
             if tokens == 1:
@@ -422,6 +436,7 @@ def main(argv: list[str] | None = None) -> int:
                     r["forward_extra_mib"] = peaks[r["variant"]] - peaks["gpu"]
             rows += step_rows
             print(table(step_rows), flush=True)
+            save()
         except Exception as e:  # keep the other steps' rows
             traceback.print_exc()
             notes.append(f"FAILED: the {tokens}-token step: {type(e).__name__}: {e}")
@@ -453,15 +468,7 @@ def main(argv: list[str] | None = None) -> int:
                                        for k, x in b.facts.items()))
     for n in notes:
         print(n)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "offload_budget.json").write_text(json.dumps({
-        "date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name(),
-        "torch": torch.__version__, "transformers": transformers.__version__,
-        "layers": args.layers, "notes": notes, "rows": rows,
-        "setup": {v: b.facts for v, b in built.items()},
-        "placements": {v: codegen.nn.offload_plan(b.model).placement()
-                       for v, b in built.items() if v.startswith("codegen")}},
-        indent=1, default=str) + "\n")
+    save()
     return 1 if any(n.startswith("FAILED") for n in notes) else 0
 
 
