@@ -387,7 +387,9 @@ def main(argv: list[str] | None = None) -> int:
     for name in row_names(args):
         try:
             built[name] = make(name, config, built)
-            print(f"set up {name} ({time.perf_counter() - started:.0f} s)", flush=True)
+            facts = ", ".join(f"{k} {x:.1f}" if isinstance(x, float) else f"{k} {x}"
+                              for k, x in built[name].facts.items())
+            print(f"set up {name} ({time.perf_counter() - started:.0f} s): {facts}", flush=True)
         except Exception as e:  # the other rows are still worth the GPU time
             traceback.print_exc()
             notes.append(f"FAILED: {name} could not be set up: {type(e).__name__}: {e}")
