@@ -610,3 +610,16 @@ def test_a_weight_filled_by_a_non_blocking_copy_is_read_once_it_has_landed(cache
             model[0].weight.copy_(new, non_blocking=True)
         got = model(x)
         torch.testing.assert_close(got, x @ new.T, rtol=1e-4, atol=1e-3)
+
+
+def test_a_weight_or_bias_of_the_wrong_shape_is_refused_by_name():
+    model = nn.Sequential(nn.Linear(8, 4), nn.Linear(4, 2))
+    model[1].bias = nn.Parameter(torch.zeros(3))
+    with pytest.raises(ValueError, match=r"1.bias has shape \(3,\); the Linear's out_features "
+                                         r"say \(2,\)"):
+        codegen.nn.offload(model, device="cpu")
+    model[1].bias = nn.Parameter(torch.zeros(2))
+    model[0].weight = nn.Parameter(torch.zeros(4, 9))
+    with pytest.raises(ValueError, match=r"0.weight has shape \(4, 9\); the Linear's "
+                                         r"out_features and in_features say \(4, 8\)"):
+        codegen.nn.offload(model, device="cpu")

@@ -721,6 +721,13 @@ def offload(model: nn.Module, slices: int = 8, *, filter: Filter | None = None, 
         if m.weight.dtype not in ir.DTYPE_NAMES:
             raise ValueError(f"codegen.nn.offload: {n}.weight is {m.weight.dtype}; offloaded "
                              f"weights must be one of {', '.join(ir.DTYPE_NAMES.values())}")
+        if m.weight.dim() != 2 or tuple(m.weight.shape) != (m.out_features, m.in_features):
+            raise ValueError(f"codegen.nn.offload: {n}.weight has shape "
+                             f"{tuple(m.weight.shape)}; the Linear's out_features and "
+                             f"in_features say ({m.out_features}, {m.in_features})")
+        if m.bias is not None and tuple(m.bias.shape) != (m.out_features,):
+            raise ValueError(f"codegen.nn.offload: {n}.bias has shape {tuple(m.bias.shape)}; "
+                             f"the Linear's out_features say ({m.out_features},)")
         if m.bias is not None and m.bias.dtype != m.weight.dtype:
             # The program reads the bias in the weight's dtype: refused here, not at every
             # forward by the program's own argument check.
