@@ -62,9 +62,10 @@ import torch
 
 from . import autograd, collectives, distributed
 from . import hostir as hir
+from .dispatch import dispatch
 from .errors import NoGPUError
 from .evaluator import check_inputs, program_device
-from .ir import Fusion, Sym
+from .ir import Fusion
 from .renderer import (
     NAMESPACE,
     include_dir,
@@ -1109,7 +1110,7 @@ def _register_python_parts(program: hir.HostProgram, qualname: str, overload: An
 
     torch.library.register_fake(qualname)(fake)
     if differentiable(program):
-        autograd.register(program, qualname, overload, _autograd_library())
+        autograd.register(program, qualname, overload, _autograd_library(), _realize)
         return
     if register is not None and register(qualname.split("::")[1].encode()) == 0:
         return
@@ -1117,6 +1118,12 @@ def _register_python_parts(program: hir.HostProgram, qualname: str, overload: An
         log.warning("%s gets a Python autograd kernel (registering torch's C++ one failed)",
                     qualname)
     torch.library.register_autograd(qualname, backward)
+
+
+def _realize(program: hir.HostProgram) -> Callable[..., Any]:
+    """A derived program (a saving forward, a backward) as a built op, called below
+    autograd."""
+    return build(program)._overload
 
 
 class CompiledOp:
@@ -1137,55 +1144,20 @@ class CompiledOp:
         self._overload = self.op.default  # called directly: no overload resolution per call
         self._communicates = bool(distributed.communications(program))
         self._differentiable = differentiable(program)
-        # split_contraction="auto" left to the call: the op of program.alternative, the
-        # input axes that give the choice's extents, the host inputs whose layout it
-        # reads, and the choice made per (extents, layouts)
+        # split_contraction="auto" left to the call: the op of program.alternative, and
+        # the program's dispatch, which picks it per call
         self.alternative = alternative
-        self._extent_axes = _extent_axes(program) if alternative is not None else ()
-        self._host_inputs = [(i, t.name) for i, t in enumerate(program.inputs)
-                             if t.device == "cpu"] if alternative is not None else []
-        self._chosen: dict[tuple[int | bool, ...], CompiledOp] = {}
+        self._dispatch = dispatch(program) if alternative is not None else None
         # Host inputs only: no input says which GPU runs the op (the current one does).
         self._host_only = all(t.device == "cpu" for t in program.inputs)
 
     def pick(self, inputs: Sequence[torch.Tensor]) -> CompiledOp:
         """The op that runs for ``inputs``: this one, or its alternative where the
-        program's choice picks that for the inputs' extents and layouts (``lower``'s
-        ``split_contraction="auto"``); this one for inputs it cannot read (its input
-        checks then say what is wrong)."""
-        if self.alternative is None:
+        program's dispatch picks that for the inputs' extents and layouts (``lower``'s
+        ``split_contraction="auto"``, ``codegen.dispatch``)."""
+        if self._dispatch is None or self.alternative is None:
             return self
-        try:
-            extents = [inputs[i].shape[a] for _, i, a in self._extent_axes]
-            layouts = [hir.row_major_matrix(inputs[i]) for i, _ in self._host_inputs]
-        except (IndexError, AttributeError, TypeError):
-            return self
-        key = (*extents, *layouts)
-        if torch.compiler.is_compiling() or not all(type(e) is int for e in extents):
-            return self._choose(key)  # traced or symbolic: the choice becomes guards
-        op = self._chosen.get(key)
-        if op is None:
-            op = self._chosen[key] = self._choose(key)
-        return op
-
-    def _choose(self, key: tuple[Any, ...]) -> CompiledOp:
-        """The op for (extents, layouts) ``key``. Traced with the output's rows ``m`` a
-        symbolic size, the choice is one comparison, ``m < threshold``, which becomes the
-        guard (not one guard, and one recompilation, per value of m); the other extents
-        are specialized."""
-        choice = self.host_ir.choice
-        assert choice is not None and self.alternative is not None
-        n = len(self._extent_axes)
-        extents = {name: e for (name, _, _), e in zip(self._extent_axes, key[:n])}
-        row_major = {name: bool(f) for (_, name), f in zip(self._host_inputs, key[n:])}
-        m = next((mm.m.name for mm in choice.matmuls if isinstance(mm.m, Sym)), None)
-        if m is not None and type(extents.get(m)) is not int:
-            below = choice.rows_below(m, {k: int(e) for k, e in extents.items() if k != m},
-                                      row_major)
-            if below is not None:
-                return self.alternative if extents[m] < below else self
-        env = {name: int(e) for name, e in extents.items()}
-        return self.alternative if choice.rows(env, row_major) else self
+        return self.alternative if self._dispatch.rows(inputs) else self
 
     @property
     def source(self) -> str:
@@ -1219,14 +1191,6 @@ class CompiledOp:
 
     def __repr__(self) -> str:
         return f"CompiledOp({self.name}, library={self.library})"
-
-
-def _extent_axes(program: hir.HostProgram) -> tuple[tuple[str, int, int], ...]:
-    """(extent, input position, axis): the input axis that binds each named extent of
-    ``program``'s signature (the input checks' ``bind``)."""
-    position = {t.name: i for i, t in enumerate(program.inputs)}
-    return tuple((str(c.value), position[c.tensor], c.axis) for c in hir.dim_checks(program)
-                 if c.kind == "bind")
 
 
 _below_autograd = torch._C._AutoDispatchBelowAutograd

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import sys
 
-from . import distributed, passes
+from . import cost, distributed, passes
 from . import hostir as hir
 from .errors import ScheduleError
 from .ir import Fusion
@@ -125,7 +125,7 @@ def lower(fusion: Fusion, *, pool_size: int = 4, gemm_sm_count: int = 0,
     # the call to pick (by its extents and the host operands' layouts); where every extent
     # is known and the columns are estimated faster, the column loop alone (a host operand
     # that is not row-major keeps its columns too).
-    if choice.known() and not choice.rows({}):
+    if choice.known() and not cost.prefers_rows(choice, {}):
         return program.replace(choice=choice)
     rows = lower(fusion, pool_size=pool_size, gemm_sm_count=gemm_sm_count,
                  gemm_library=gemm_library, copy_stream=copy_stream, staging=staging,

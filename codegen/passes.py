@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 import torch
 
+from . import cost
 from . import hostir as hir
 from .errors import InternalError, ScheduleError
 from .ir import (
@@ -398,7 +399,11 @@ def contraction_choice(fusion: Fusion, segments: list[Segment]) -> hir.Contracti
         matmuls.append(hir.StreamedMatmul(op.out.name, a.name, b.name, a.shape[0], a.shape[1],
                                           b.shape[1], seg.split.count, seg.split.chunk,
                                           b.dtype, op.out.dtype))
-    return hir.ContractionChoice(tuple(matmuls)) if matmuls else None
+    if not matmuls:
+        return None
+    choice = hir.ContractionChoice(tuple(matmuls))
+    return dataclasses.replace(choice, estimate=cost.estimate_str(choice, {})) \
+        if choice.known() else choice
 
 
 @dataclasses.dataclass

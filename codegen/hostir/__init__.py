@@ -75,7 +75,6 @@ from .nodes import (  # noqa: F401
     TensorInfo,
     WaitEvent,
     node_class,
-    row_major_matrix,
     verify,
 )
 from .staging import (  # noqa: F401
