@@ -121,7 +121,7 @@ def test_a_linker_that_fails_falls_back_to_the_default_one(tmp_path, monkeypatch
 
     from codegen.examples import matmul_rows
 
-    build = importlib.import_module("codegen.builder")  # cg.build is the function
+    build = importlib.import_module("codegen.jit.builder")  # cg.build is the function
 
     monkeypatch.setenv("CODEGEN_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(build, "GOLD", "-fuse-ld=no-such-linker")
@@ -149,7 +149,7 @@ def test_unused_precompiled_runtimes_are_removed_by_the_next_build(tmp_path, mon
     import codegen as cg
     from codegen.examples import matmul_rows
 
-    build = importlib.import_module("codegen.builder")
+    build = importlib.import_module("codegen.jit.builder")
     monkeypatch.setenv("CODEGEN_CACHE_DIR", str(tmp_path))
     day_ago = time.time() - 2 * build.PCH_UNUSED_S
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-builder = importlib.import_module("codegen.builder")  # cg.build is the function
+builder = importlib.import_module("codegen.jit.builder")  # cg.build is the function
 REPO = Path(__file__).resolve().parent.parent
 PLAIN_PROGRAM = 'extern "C" int {name}_probe() {{ return 1; }}\n'  # no headers: quick
 
@@ -25,11 +25,11 @@ def test_a_build_logs_what_it_builds_and_a_long_one_one_line_more(tmp_path, monk
         library = builder.build_library("log_probe", PLAIN_PROGRAM.format(name="log"),
                                         full_torch=True)
     records = [(r.name, r.levelname, r.getMessage()) for r in caplog.records]
-    assert records[0] == ("codegen.builder", "INFO", "building log_probe ...")
-    assert records[1] == ("codegen.builder", "INFO", "still building log_probe after 0.01 s "
+    assert records[0] == ("codegen.jit.builder", "INFO", "building log_probe ...")
+    assert records[1] == ("codegen.jit.builder", "INFO", "still building log_probe after 0.01 s "
                           "(against torch's full C++ headers, once per cache and torch) ...")
     name, level, built = records[2]
-    assert (name, level) == ("codegen.builder", "INFO") and len(records) == 3
+    assert (name, level) == ("codegen.jit.builder", "INFO") and len(records) == 3
     assert built.startswith("built log_probe in ") and built.endswith(f" s ({library.parent})")
 
 
@@ -46,20 +46,20 @@ def _python(code: str) -> subprocess.CompletedProcess:
 
 def test_without_logging_configured_messages_go_to_stderr():
     run = _python("import logging, codegen\n"
-                  "logging.getLogger('codegen.builder').info('building x ...')")
+                  "logging.getLogger('codegen.jit.builder').info('building x ...')")
     assert run.returncode == 0 and run.stderr == "codegen: building x ...\n", run.stderr
 
 
 def test_messages_are_silenced_by_the_codegen_loggers_level():
     run = _python("import logging, codegen\n"
                   "logging.getLogger('codegen').setLevel(logging.WARNING)\n"
-                  "logging.getLogger('codegen.builder').info('building x ...')")
+                  "logging.getLogger('codegen.jit.builder').info('building x ...')")
     assert run.returncode == 0 and run.stderr == "", run.stderr
 
 
 def test_configured_logging_gets_each_message_once():
     run = _python("import logging, sys, codegen\n"
                   "logging.basicConfig(stream=sys.stdout, format='%(name)s %(message)s')\n"
-                  "logging.getLogger('codegen.builder').info('building x ...')")
+                  "logging.getLogger('codegen.jit.builder').info('building x ...')")
     assert run.returncode == 0 and run.stderr == "", run.stderr
-    assert run.stdout == "codegen.builder building x ...\n"
+    assert run.stdout == "codegen.jit.builder building x ...\n"

@@ -22,12 +22,12 @@ from pathlib import Path
 import pytest
 
 import codegen as cg
+from codegen.backend.renderer import include_dir
 from codegen.examples import matmul_rows
-from codegen.renderer import include_dir
 
 pytestmark = pytest.mark.build  # every test here builds C++
 
-builder = importlib.import_module("codegen.builder")  # cg.build is the function
+builder = importlib.import_module("codegen.jit.builder")  # cg.build is the function
 
 RUNTIME_PROGRAM = '#include "codegen/runtime.h"\nint {name}_probe() {{ return 1; }}\n'
 PLAIN_PROGRAM = 'extern "C" int {name}_probe() {{ return 1; }}\n'  # no headers: quick

@@ -12,9 +12,11 @@ import torch
 from conftest import ints
 
 import codegen as cg
-from codegen import cost, examples, races
+from codegen import examples
 from codegen import hostir as hir
-from codegen.dispatch import dispatch
+from codegen.interp import races
+from codegen.runtime.dispatch import dispatch
+from codegen.transforms import cost
 
 # bench_copy on the H200 (benchmarks/RESULTS.md, "Split contraction, copy stream, dense
 # slices"): bf16 x [m, 8192] @ w [8192, 8192], op / floor of the column loop (copy
@@ -198,7 +200,7 @@ def test_symbolic_extents_leave_the_choice_to_the_call():
     assert comment(columns) == columns.choice_str()
     assert columns.choice_str().endswith(
         "w streamed by blocks of columns (this program) or of rows (its alternative), "
-        "whichever codegen.cost estimates faster for the call's extents")
+        "whichever codegen.transforms.cost estimates faster for the call's extents")
     big = {"k": 8192, "n": 8192}
     assert dispatch(program).for_extents({"m": 3072, **big}) is rows
     assert dispatch(program).for_extents({"m": 37632, **big}) is columns
@@ -313,7 +315,7 @@ def test_compiled_op_builds_both_loops_and_picks_per_call(cache_dir, monkeypatch
 
 
 def test_cli_shows_both_loops():
-    from codegen.__main__ import show
+    from codegen.tools.cli import show
 
     text = show("stream_weights", "hostir", split_contraction="auto")
     assert text.count("HostProgram stream_weights(") == 2

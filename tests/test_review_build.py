@@ -10,10 +10,10 @@ import pytest
 import torch
 
 import codegen as cg
+from codegen.backend.renderer import op_name
 from codegen.examples import matmul_rows
-from codegen.renderer import op_name
 
-build_module = importlib.import_module("codegen.builder")  # cg.build is the function
+build_module = importlib.import_module("codegen.jit.builder")  # cg.build is the function
 
 
 def test_constraints_are_part_of_the_op_name():

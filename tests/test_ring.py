@@ -10,8 +10,9 @@ import torch.nn.functional as F
 from conftest import ints
 
 import codegen as cg
-from codegen import examples, races
+from codegen import examples
 from codegen import hostir as hir
+from codegen.interp import races
 
 RING_LINEAR = """\
 HostProgram offload_linear(x: bfloat16[m, k], w: bfloat16[n, k] device=cpu) -> (T2) [staging=ring]:
@@ -144,7 +145,7 @@ def test_ring_program_builds_and_loads(cache_dir):
 
 
 def test_the_ring_is_part_of_the_op_name():
-    from codegen.builder import op_name
+    from codegen.jit.builder import op_name
 
     assert op_name(cg.lower(host_linear(), staging="ring")) != \
         op_name(cg.lower(host_linear(), copy_stream=True))

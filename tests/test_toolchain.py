@@ -13,9 +13,9 @@ import pytest
 import torch
 
 import codegen as cg
-from codegen.renderer import include_dir
+from codegen.backend.renderer import include_dir
 
-builder = importlib.import_module("codegen.builder")  # cg.build is the function
+builder = importlib.import_module("codegen.jit.builder")  # cg.build is the function
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -134,7 +134,7 @@ def test_build_tests_are_skipped_saying_what_is_missing(tmp_path):
 
 
 def test_the_demo_falls_back_to_the_evaluator(monkeypatch, capsys):
-    from codegen import demo
+    from codegen.tools import demo
 
     why = "codegen: cannot build C++ here: no nv/target (looked in: ...)"
     monkeypatch.setattr(demo, "toolchain_problem", lambda: why)

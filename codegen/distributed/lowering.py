@@ -6,16 +6,7 @@ from __future__ import annotations
 
 from .. import hostir as hir
 from ..errors import InternalError, ScheduleError
-from ..ir import (
-    Const,
-    Expr,
-    Fusion,
-    Mul,
-    Sym,
-    TensorView,
-    ceil_div,
-    mul_extents,
-)
+from ..frontend.ir import Const, Expr, Fusion, Mul, Sym, TensorView, ceil_div, mul_extents
 from .analysis import AxisLayout, Plan, analyze
 from .nodes import CheckDivisible, Communication, CommunicationType, Stream, Unflatten, Wait
 

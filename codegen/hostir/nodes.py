@@ -10,9 +10,9 @@ from typing import Any, ClassVar
 
 import torch
 
-from .. import ops
 from ..errors import InternalError
-from ..ir import DEVICES, DTYPE_NAMES, Expr, ParallelType
+from ..frontend import ops
+from ..frontend.ir import DEVICES, DTYPE_NAMES, Expr, ParallelType
 
 MAIN_STREAM = "main_stream"
 
@@ -365,7 +365,7 @@ class Compute(Node):
 
 def node_class(defn: ops.OpDef) -> type[Compute]:
     """The Compute subclass of nodes whose root op is ``defn``, named as it prints."""
-    doc = f"``out`` = {defn.node}(...) (see Compute and codegen.ops.{defn.name.upper()})."
+    doc = f"``out`` = {defn.node}(...) (see Compute and codegen.frontend.ops.{defn.name.upper()})."
     return type(defn.node, (Compute,), {"defn": defn, "__doc__": doc, "__module__": __name__})
 
 
@@ -599,7 +599,7 @@ class StreamedMatmul:
 class ContractionChoice:
     """What a program lowered with ``split_contraction="auto"`` weighs between streaming
     its host operands by blocks of columns and by blocks of rows: the loops that could
-    change, and, where every extent they weigh is a constant, ``codegen.cost``'s
+    change, and, where every extent they weigh is a constant, ``codegen.transforms.cost``'s
     estimates of both (``estimate``, as printed). The choice itself is made by the cost
     model, at lowering or per call (``codegen.dispatch``); the host IR only records it."""
 
@@ -632,7 +632,7 @@ class HostProgram:
     # knew every extent, the choice it made, and no alternative.
     choice: ContractionChoice | None = None
     alternative: HostProgram | None = None
-    # The user's fusion this program was lowered from, for its backward (codegen.autograd);
+    # The user's fusion this program was lowered from, for its backward (codegen.runtime.autograd);
     # None for a program with no backward (a backward itself). Not part of the program:
     # its nodes say everything it runs, so the digest and equality leave it out.
     source: Any = dataclasses.field(default=None, compare=False, repr=False,
@@ -699,8 +699,8 @@ class HostProgram:
                    f"{hosts} is not row-major")
         elif self.alternative is not None:
             how = (f"{hosts} streamed by blocks of columns (this program) or of rows (its "
-                   f"alternative), whichever codegen.cost estimates faster for the call's "
-                   f"extents")
+                   f"alternative), whichever codegen.transforms.cost estimates faster for the "
+                   f"call's extents")
         else:
             made = "rows" if self.split_contraction else "columns"
             how = f"{hosts} streamed by blocks of {made}: {self.choice.estimate}"

@@ -60,11 +60,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import examples, ir
-from ..builder import CompiledOp, compile
 from ..errors import NoGPUError, ScheduleError
-from ..evaluator import evaluate
-from ..lowering import check_pool_size, lower
+from ..frontend import ir
+from ..interp.evaluator import evaluate
+from ..jit.builder import CompiledOp, compile
+from ..transforms.lowering import check_pool_size, lower
+from . import program as examples
 from .plan import ALIGN, Layout, StreamPlan, parse_bytes, plan_stream, round_up
 from .streamer import ForwardCopies, Streamer, layouts_of
 

@@ -60,13 +60,9 @@ from typing import Any
 
 import torch
 
-from . import autograd, collectives, distributed
-from . import hostir as hir
-from .dispatch import dispatch
-from .errors import NoGPUError
-from .evaluator import check_inputs, program_device
-from .ir import Fusion
-from .renderer import (
+from .. import distributed
+from .. import hostir as hir
+from ..backend.renderer import (
     NAMESPACE,
     include_dir,
     op_name,
@@ -74,6 +70,11 @@ from .renderer import (
     render,
     runtime_headers_digest,
 )
+from ..errors import NoGPUError
+from ..frontend.ir import Fusion
+from ..interp.evaluator import check_inputs, program_device
+from ..runtime import autograd, collectives
+from ..runtime.dispatch import dispatch
 
 # The stable ABI version the generated C++ targets (the GPU machine's 2.11). The runtime
 # calls nothing newer than 2.10's stable API (it compiles with the target set to 2.10), so
@@ -1070,7 +1071,7 @@ def _no_backward() -> Callable[[bytes], int] | None:
 
 
 def differentiable(program: hir.HostProgram) -> bool:
-    """Whether ``program`` has a backward (codegen.autograd): it was lowered from a fusion
+    """Whether ``program`` has a backward (codegen.runtime.autograd): it was lowered from a fusion
     and does not communicate (a backward program itself has no source)."""
     return program.source is not None and not distributed.communications(program)
 
@@ -1237,8 +1238,8 @@ def compile(fusion: Any, *, pool_size: int = 4,  # noqa: A001 - public API
     thread's staging ring, ahead of the caller's stream; ``split_contraction`` streams a
     row-major host operand read by column blocks as blocks of rows (see ``lower``);
     ``"auto"`` builds both loops where the choice depends on the call's extents, and
-    each call runs the one ``codegen.cost`` estimates faster (``CompiledOp.pick``)."""
-    from .lowering import lower
+    each call runs the one ``codegen.transforms.cost`` estimates faster (``CompiledOp.pick``)."""
+    from ..transforms.lowering import lower
 
     return build(lower(fusion, pool_size=pool_size, gemm_sm_count=gemm_sm_count,
                        gemm_library=gemm_library, copy_stream=copy_stream, staging=staging,

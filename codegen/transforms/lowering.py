@@ -9,10 +9,11 @@ from __future__ import annotations
 import os
 import sys
 
-from . import cost, distributed, passes
-from . import hostir as hir
-from .errors import ScheduleError
-from .ir import Fusion
+from .. import distributed
+from .. import hostir as hir
+from ..errors import ScheduleError
+from ..frontend.ir import Fusion
+from . import cost, passes
 
 # The most worker streams a program may use (``lower``'s pool_size), as many as PyTorch's
 # own pool has per priority. Each thread that calls an op leases worker streams, each with
@@ -63,7 +64,7 @@ def lower(fusion: Fusion, *, pool_size: int = 4, gemm_sm_count: int = 0,
     matmul reads by column blocks (strided 2-D copies) by blocks of rows instead, the
     loop splitting the contraction and each slice accumulating onto the output
     (``passes.split_contractions``); ``split_contraction="auto"`` streams by whichever
-    blocks ``codegen.cost`` estimates faster: chosen here where every extent is known,
+    blocks ``codegen.transforms.cost`` estimates faster: chosen here where every extent is known,
     else by the call, from its extents, between this program (columns) and its
     ``alternative`` (rows), both printed."""
     if not isinstance(fusion, Fusion):

@@ -55,10 +55,10 @@ from collections.abc import Sequence
 
 import torch
 
-from . import distributed
-from . import hostir as hir
-from .dispatch import chosen
-from .errors import InternalError
+from .. import distributed
+from .. import hostir as hir
+from ..errors import InternalError
+from ..runtime.dispatch import chosen
 from .evaluator import CALLER, Interpreter, Streams, check_inputs
 
 HOST = "host"  # the key of the host thread's clock

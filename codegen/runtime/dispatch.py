@@ -4,7 +4,7 @@ A program lowered with ``split_contraction="auto"`` whose choice depends on exte
 only at the call carries the program that streams its host operands by blocks of rows
 as its ``alternative`` (it streams them by blocks of columns itself). ``Dispatch`` picks
 one of the two for a call's inputs, from their extents and the host operands' layouts,
-with ``codegen.cost``; the compiled op (``CompiledOp``), the evaluator and the
+with ``codegen.transforms.cost``; the compiled op (``CompiledOp``), the evaluator and the
 stream-order checker all ask the program's one ``Dispatch`` (``dispatch(program)``).
 """
 
@@ -17,9 +17,9 @@ from typing import Any
 
 import torch
 
-from . import cost
-from . import hostir as hir
-from .ir import Sym
+from .. import hostir as hir
+from ..frontend.ir import Sym
+from ..transforms import cost
 
 
 def row_major_matrix(x: torch.Tensor) -> bool:

@@ -39,8 +39,8 @@ from collections.abc import Callable, Mapping
 
 import torch
 
-from . import hostir as hir
-from .ir import Sym
+from .. import hostir as hir
+from ..frontend.ir import Sym
 
 COPY_BYTES_PER_MS = 55.3e6  # pinned host-to-device, dense
 HBM_BYTES_PER_MS = 4.8e9

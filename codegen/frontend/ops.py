@@ -30,7 +30,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .errors import ScheduleError
+from ..errors import ScheduleError
 
 Member = tuple[str, int]  # (operand name, axis); the output is "out"
 Attrs = Mapping[str, Any]
@@ -81,8 +81,8 @@ class OpDef:
     epilogues: bool = True
     # A GEMM the runtime can run adding onto its output (beta = 1, ``accumulate=True``).
     accumulates: bool = True
-    # Reverse mode (codegen.autograd): (dy, operands, attrs, builder) -> each operand's
-    # gradient, built with the builder's ops (the functions of codegen.ir), or a
+    # Reverse mode (codegen.transforms.gradient): (dy, operands, attrs, builder) -> each operand's
+    # gradient, built with the builder's ops (the functions of codegen.frontend.ir), or a
     # ScheduleError where the op has none.
     vjp: Callable[..., dict[str, Any]] | None = None
 
@@ -141,7 +141,7 @@ def same_dtype(op: str) -> Callable[[Mapping[str, Any], Attrs], torch.dtype]:
 # ---------------------------------------------------------------------------- reverse mode
 # Each rule gets the gradient of the op's result (dy), its operands (v: the forward's
 # values, as the backward program sees them), its attributes and a builder (``b``: the
-# functions of codegen.ir, so these rules build ops like a user's definition does), and
+# functions of codegen.frontend.ir, so these rules build ops like a user's definition does), and
 # gives the gradient of every operand.
 
 

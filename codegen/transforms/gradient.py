@@ -9,14 +9,14 @@
 - the **backward**: inputs are the forward values it reads (the forward's inputs, then the
   saved intermediates) and the gradients of the forward's outputs (``grad_<output>``);
   outputs are the gradients of the wanted inputs, in host memory for an input declared in
-  host memory. Each op contributes its ``OpDef.vjp`` (codegen.ops); gradients of a value
+  host memory. Each op contributes its ``OpDef.vjp`` (codegen.frontend.ops); gradients of a value
   read twice are added. The split follows the forward: a gradient (or a recomputed value)
   is split like the forward tensor it belongs to, and the usual propagation spreads that
   to the rest, so ``x @ w`` split by output columns gives ``dW`` split by columns
   (``x.T @ dY_i``, per slice) and ``dX = dY @ w.T`` contracts the split axis whole, after
   the loop.
 
-The autograd bridge (``codegen.autograd``) runs them.
+The autograd bridge (``codegen.runtime.autograd``) runs them.
 """
 
 from __future__ import annotations
@@ -25,9 +25,10 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from . import ir, ops, passes
-from .errors import InternalError, ScheduleError
-from .ir import Const, Fusion, Sym, TensorView
+from ..errors import InternalError, ScheduleError
+from ..frontend import ir, ops
+from ..frontend.ir import Const, Fusion, Sym, TensorView
+from ..frontend.schedule import StreamSplit, replay_stream_split, stream_split
 from .lowering import schedule
 
 
@@ -88,7 +89,7 @@ def derive(fusion: Fusion, wanted: Sequence[bool]) -> Gradient:
         if w and not t.dtype.is_floating_point:
             raise ScheduleError(f"{fusion.name}: input {t.name} is {t.dtype}: no gradient")
     needs = _needs(work, wanted)
-    split_of: dict[int, passes.StreamSplit] = {}  # backward tensor id -> forward's split
+    split_of: dict[int, StreamSplit] = {}  # backward tensor id -> forward's split
     primal: dict[int, TensorView] = {}  # forward tensor id -> its value in the backward
     saved: list[TensorView] = []  # forward intermediates the backward reads
 
@@ -111,7 +112,7 @@ def derive(fusion: Fusion, wanted: Sequence[bool]) -> Gradient:
         return v
 
     def _follow(v: TensorView, t: TensorView) -> None:
-        if (split := passes.stream_split(t)) is not None:
+        if (split := stream_split(t)) is not None:
             split_of[id(v)] = split
 
     grads: dict[int, TensorView] = {}
@@ -168,7 +169,7 @@ def derive(fusion: Fusion, wanted: Sequence[bool]) -> Gradient:
     for v in bwd.tensors:
         split = split_of.get(id(v))
         if split is not None and v.definition is not None and v.stream_id() is None:
-            passes.replay_stream_split(v, split.axis, split)
+            replay_stream_split(v, split.axis, split)
     _prune(bwd)
     _loops_first(bwd)
     # The backward's inputs, in order: forward inputs it reads, saved results, gradients.

@@ -19,11 +19,11 @@ from typing import Any
 
 import torch
 
-from . import hostir as hir
-from .errors import InternalError, ScheduleError
-from .gradient import Gradient, derive
-from .ir import Fusion
-from .lowering import lower
+from .. import hostir as hir
+from ..errors import InternalError, ScheduleError
+from ..frontend.ir import Fusion
+from ..transforms.gradient import Gradient, derive
+from ..transforms.lowering import lower
 
 # A backend's way to run a lowered program: the program -> a function of its inputs that
 # returns its outputs (the compiled op's overload, or the evaluator).

@@ -17,11 +17,13 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from . import autograd, distributed, ops
-from . import hostir as hir
-from .dispatch import chosen
-from .errors import InternalError
-from .ir import DTYPE_NAMES
+from .. import distributed
+from .. import hostir as hir
+from ..errors import InternalError
+from ..frontend import ops
+from ..frontend.ir import DTYPE_NAMES
+from ..runtime import autograd
+from ..runtime.dispatch import chosen
 
 
 @functools.cache

@@ -20,8 +20,8 @@ from collections.abc import Iterator, Mapping, Sequence
 
 import torch
 
+from ..errors import ScheduleError
 from . import ops as ops_
-from .errors import ScheduleError
 from .ops import DTYPE_NAMES, AxisGroup, OpDef
 
 # ---------------------------------------------------------------------------- extents
@@ -379,7 +379,7 @@ class TensorView:
 @dataclasses.dataclass(eq=False)
 class Op:
     """``out = defn(args, attrs)``: one op of the fusion, of the kind ``defn`` (see
-    codegen.ops: its operands, axis roles, dtype rule and semantics). ``args`` maps the
+    codegen.frontend.ops: its operands, axis roles, dtype rule and semantics). ``args`` maps the
     definition's operand names to tensors (an absent optional operand is not a key);
     ``op.<operand>`` reads them (None for an absent optional one)."""
 
@@ -701,7 +701,7 @@ def cast(t: TensorView, dtype: torch.dtype) -> TensorView:
     return _define(ops_.CAST, {"dtype": dtype}, x=t)
 
 
-# The ops of gradients (codegen.autograd builds them; a definition may use them too).
+# The ops of gradients (codegen.transforms.gradient builds them; a definition may use them too).
 
 
 def matmul_tn(a: TensorView, b: TensorView) -> TensorView:
