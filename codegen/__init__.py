@@ -37,7 +37,7 @@ from .frontend.ir import (
 )
 from .hostir import HostProgram
 from .interp.evaluator import evaluate
-from .jit.builder import BuildError, CompiledOp, build, compile
+from .jit import BuildError, CompiledOp, build, compile
 from .transforms.lowering import lower, schedule
 
 __all__ = [

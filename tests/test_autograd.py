@@ -285,7 +285,7 @@ def test_backward_programs_print_their_gradient_ops():
 def test_backward_digest_ignores_the_source():
     """The source fusion is not part of the program: two lowerings of one fusion have one
     op name, and the backward's name differs from the forward's."""
-    from codegen.jit.builder import op_name
+    from codegen.backend.renderer import op_name
 
     f = examples.llama_mlp()
     assert op_name(cg.lower(f)) == op_name(cg.lower(f))

@@ -423,7 +423,7 @@ def test_host_cost_says_it_needs_a_gpu():
 @pytest.mark.build
 def test_host_cost_ladder_builds_and_registers_each_step(cache_dir):
     from benchmarks import host_cost
-    from codegen.jit.builder import build_library
+    from codegen.jit import build_library
 
     build_library("codegen_bench_host_cost_ladder", host_cost.LADDER_SOURCE)
     for i in range(len(host_cost.LADDER)):

@@ -13,7 +13,7 @@ from helpers import stream_matmul_columns
 
 import codegen as cg
 from codegen.examples import DISTRIBUTED_EXAMPLES, EXAMPLES
-from codegen.jit.builder import BuildError, build_library
+from codegen.jit import BuildError, build_library
 from tools.regen import CSRC_GEN, stale_goldens
 
 REPO = Path(__file__).resolve().parent.parent

@@ -82,7 +82,7 @@ def test_demo_without_a_gpu(cache_dir):
             "stream-ordered (codegen.interp.races)" in run.stdout
         assert "on meta tensors it gives [8192, 8192] torch.bfloat16" in run.stdout
     assert "HostProgram stream_matmul_n" in run.stdout
-    from codegen.jit.builder import toolchain_problem
+    from codegen.jit import toolchain_problem
 
     problem = toolchain_problem()
     if problem is not None:  # the evaluator's checks all the same

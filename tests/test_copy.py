@@ -424,7 +424,7 @@ def cxx(source: Path, out: Path, *flags: str) -> Path:
     """Compiles ``source`` with the programs' flags and include path (torch, the CUDA
     toolkit, the runtime), warnings as errors; links nothing of torch's."""
     from codegen.backend.renderer import include_dir
-    from codegen.jit.builder import BuildError, toolchain
+    from codegen.jit import BuildError, toolchain
 
     try:
         tools = toolchain()
@@ -745,7 +745,7 @@ STABLE_TORCH_LIBRARY_IMPL(codegen, CPU, m) { m.impl("NAME", TORCH_BOX(&NAME)); }
 
 WARN_ONCE = """
 import warnings, torch
-from codegen.jit.builder import build_library
+from codegen.jit import build_library
 import sys
 for name in ("warn_probe_a", "warn_probe_b"):
     build_library(name, sys.argv[1].replace("NAME", name))

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from test_copy import TESTS, cxx
 
 from codegen.backend.renderer import include_dir
-from codegen.jit.builder import build_library
+from codegen.jit import build_library
 
 HEADER = include_dir() / "codegen" / "pointwise.h"
 STORAGE = {"bf16": 2, "f16": 2, "float": 4, "double": 8}

@@ -10,7 +10,7 @@ import pytest
 import codegen as cg
 from codegen import examples as ex
 from codegen.backend.renderer import include_dir
-from codegen.jit.builder import build_library
+from codegen.jit import build_library
 from codegen.transforms.lowering import MAX_POOL_SIZE
 
 

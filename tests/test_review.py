@@ -338,10 +338,10 @@ def test_stage_modules_are_not_shadowed_by_the_public_functions():
     import inspect
 
     import codegen.backend.renderer as renderer_module
-    import codegen.jit.builder as builder_module
+    import codegen.jit.op as op_module
 
-    assert inspect.ismodule(builder_module) and inspect.ismodule(renderer_module)
-    assert cg.render is renderer_module.render and cg.build is builder_module.build
+    assert inspect.ismodule(op_module) and inspect.ismodule(renderer_module)
+    assert cg.render is renderer_module.render and cg.build is op_module.build
     assert inspect.isfunction(cg.render) and inspect.isfunction(cg.build)
-    for name in ("codegen.jit.builder", "codegen.backend.renderer"):
+    for name in ("codegen.jit", "codegen.jit.op", "codegen.backend.renderer"):
         assert inspect.ismodule(importlib.import_module(name))

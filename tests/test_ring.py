@@ -145,7 +145,7 @@ def test_ring_program_builds_and_loads(cache_dir):
 
 
 def test_the_ring_is_part_of_the_op_name():
-    from codegen.jit.builder import op_name
+    from codegen.backend.renderer import op_name
 
     assert op_name(cg.lower(host_linear(), staging="ring")) != \
         op_name(cg.lower(host_linear(), copy_stream=True))

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 import codegen as cg
 from benchmarks.common import interleaved, parse_ints
 from codegen import examples
-from codegen.jit.builder import build
+from codegen.jit import build
 from codegen.runtime import autograd
 from codegen.transforms.lowering import lower
 

@@ -119,7 +119,8 @@ def _renderer_digest() -> str:
 @functools.cache
 def runtime_headers_digest() -> str:
     """A hash of the runtime headers (``include_dir()``): part of the op name, and the
-    version of what the programs in a process share (``CODEGEN_RT_ABI``, builder.py)."""
+    version of what the programs in a process share (``CODEGEN_RT_ABI``,
+    codegen/jit/compiler.py)."""
     return _files_digest(sorted(include_dir().rglob("*.h")))
 
 

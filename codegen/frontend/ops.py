@@ -81,9 +81,9 @@ class OpDef:
     epilogues: bool = True
     # A GEMM the runtime can run adding onto its output (beta = 1, ``accumulate=True``).
     accumulates: bool = True
-    # Reverse mode (codegen.transforms.gradient): (dy, operands, attrs, builder) -> each operand's
-    # gradient, built with the builder's ops (the functions of codegen.frontend.ir), or a
-    # ScheduleError where the op has none.
+    # Reverse mode (codegen.transforms.gradient): (dy, operands, attrs, builder) -> each
+    # operand's gradient, built with the builder's ops (the functions of
+    # codegen.frontend.ir), or a ScheduleError where the op has none.
     vjp: Callable[..., dict[str, Any]] | None = None
 
     # One object per op kind: copies of a fusion (Fusion.clone) share the definitions, so

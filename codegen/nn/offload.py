@@ -63,7 +63,7 @@ from torch import nn
 from ..errors import NoGPUError, ScheduleError
 from ..frontend import ir
 from ..interp.evaluator import evaluate
-from ..jit.builder import CompiledOp, compile
+from ..jit import CompiledOp, compile
 from ..transforms.lowering import check_pool_size, lower
 from . import program as examples
 from .plan import ALIGN, Layout, StreamPlan, parse_bytes, plan_stream, round_up

@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     """Runs a command; a mistake of the user's or the machine's (a schedule, a build, a
     missing GPU, a file) is one line on stderr and exit status 1, not a traceback."""
     from ..errors import NoGPUError, ScheduleError
-    from ..jit.builder import BuildError
+    from ..jit import BuildError
 
     args = command_line().parse_args(argv)
     try:

@@ -3,7 +3,7 @@
 Define a stream-parallel matmul, lower it and print the host IR, render and build the
 C++ op; on a GPU run it at a realistic size, check it against torch and time it beside one
 ``torch.matmul``. Without a GPU, check the evaluator on the CPU and load the op. Where C++
-cannot be built here (``codegen.jit.builder.toolchain_problem``), say why and check the
+cannot be built here (``codegen.jit.toolchain_problem``), say why and check the
 evaluator all the same. Returns a non-zero exit status on any mismatch.
 """
 
@@ -15,7 +15,7 @@ import torch
 
 from ..interp import races
 from ..interp.evaluator import evaluate
-from ..jit.builder import cache_root, compile, prepare, toolchain_problem
+from ..jit import cache_root, compile, prepare, toolchain_problem
 from ..transforms.lowering import lower
 from . import examples
 

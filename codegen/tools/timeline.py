@@ -238,7 +238,7 @@ def draw_timeline(example: str, out: Path, size: int = 4096, copy_stream: bool =
     ``lower``), runs it at ``size`` on the GPU under the profiler and draws its kernels and
     copies per stream into ``out`` (PNG). Returns the path and, for a program with host
     copies, the overlap report (else "")."""
-    from ..jit.builder import compile
+    from ..jit import compile
     from .examples import example as get_example
 
     if not torch.cuda.is_available():
