@@ -1,7 +1,11 @@
-"""The pass driver: Fusion -> HostProgram.
+"""The pass driver: Fusion -> HostProgram, through three pass lists.
 
-``CODEGEN_DUMP=ir,hostir`` prints the fusion after each fusion pass and the host program
-after each host-IR pass (to stderr). ``verify`` runs after every host-IR pass.
+``passes.FUSION_PASSES`` (Fusion -> Fusion: the schedule validated, propagated and
+normalized), ``passes.LOWERING_PASSES`` (a ``passes.Lowering`` state, each pass adding
+one thing: the loops, the contraction choice, the allocation plan, the host program) and
+``hostir.HOSTIR_PASSES`` (HostProgram -> HostProgram). ``CODEGEN_DUMP=ir,hostir`` prints
+the fusion after each fusion pass and the host program after each host-IR pass (to
+stderr). ``verify`` runs after every host-IR pass.
 """
 
 from __future__ import annotations
@@ -103,13 +107,12 @@ def lower(fusion: Fusion, *, pool_size: int = 4, gemm_sm_count: int = 0,
             work = fusion_pass(work)
             if "ir" in dump:
                 _dump(f"ir after {fusion_pass.__name__}", str(work))
-        segments = passes.segment(work)
-        if split_contraction == "auto":  # this program streams by columns (see below)
-            choice, split_contraction = passes.contraction_choice(work, segments), False
-        if split_contraction:
-            segments = passes.split_contractions(work, segments)
-        plan = passes.plan_allocations(work, segments)
-        program = hir.verify(passes.build_host_program(work, segments, plan, pool_size))
+        state = passes.Lowering(work, pool_size, split_contraction)
+        for lowering_pass in passes.LOWERING_PASSES:
+            state = lowering_pass(state)
+        assert state.program is not None and not isinstance(state.split_contraction, str)
+        program, choice, split_contraction = state.program, state.choice, \
+            state.split_contraction
     program = program.replace(gemm_sm_count=gemm_sm_count, gemm_library=gemm_library,
                               copy_stream=copy_stream, staging=staging,
                               split_contraction=split_contraction,

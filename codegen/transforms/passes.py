@@ -446,3 +446,72 @@ def _fresh_view_name(tensor: str, axis: int, taken: set[str]) -> str:
     while f"{tensor}_i{axis}_{n}" in taken:
         n += 1
     return f"{tensor}_i{axis}_{n}"
+
+
+# ---------------------------------------------------------------------------- the pass list
+
+
+@dataclasses.dataclass(frozen=True)
+class Lowering:
+    """What lowering a scheduled fusion has made so far: its loops (``segments``), the
+    contraction choice of ``split_contraction="auto"``, the allocation plan and, last,
+    the host program. Each of ``LOWERING_PASSES`` fills in one more field."""
+
+    fusion: Fusion
+    pool_size: int
+    split_contraction: bool | str
+    segments: tuple[Segment, ...] = ()
+    choice: hir.ContractionChoice | None = None
+    plan: AllocationPlan | None = None
+    program: hir.HostProgram | None = None
+
+
+def segment_loops(state: Lowering) -> Lowering:
+    """Before: the fusion's ops, stream axes in front. After: its loops (``segment``)."""
+    return dataclasses.replace(state, segments=tuple(segment(state.fusion)))
+
+
+def weigh_contractions(state: Lowering) -> Lowering:
+    """``split_contraction="auto"``: records what the choice weighs (``contraction_choice``);
+    this program keeps its column blocks (the driver lowers the row loop as its
+    alternative where the choice is not settled). Before: ``split_contraction`` True,
+    False or "auto". After: True or False, and the choice where it was "auto"."""
+    if state.split_contraction != "auto":
+        return state
+    choice = contraction_choice(state.fusion, list(state.segments))
+    return dataclasses.replace(state, choice=choice, split_contraction=False)
+
+
+def split_contraction_loops(state: Lowering) -> Lowering:
+    """With ``split_contraction=True``: the loops that stream a host operand by column
+    blocks stream it by row blocks instead (``split_contractions``); else nothing."""
+    if not state.split_contraction:
+        return state
+    return dataclasses.replace(
+        state, segments=tuple(split_contractions(state.fusion, list(state.segments))))
+
+
+def plan_buffers(state: Lowering) -> Lowering:
+    """Before: the loops. After: what each allocates before it and frees after it
+    (``plan_allocations``)."""
+    return dataclasses.replace(state, plan=plan_allocations(state.fusion, list(state.segments)))
+
+
+def lower_to_host_ir(state: Lowering) -> Lowering:
+    """Before: the loops and their allocations. After: the host program
+    (``build_host_program``), verified; streams and synchronization come from the host-IR
+    passes."""
+    assert state.plan is not None
+    program = build_host_program(state.fusion, list(state.segments), state.plan,
+                                 state.pool_size)
+    return dataclasses.replace(state, program=hir.verify(program))
+
+
+LoweringPass = Callable[[Lowering], Lowering]
+LOWERING_PASSES: tuple[LoweringPass, ...] = (
+    segment_loops,
+    weigh_contractions,
+    split_contraction_loops,
+    plan_buffers,
+    lower_to_host_ir,
+)
