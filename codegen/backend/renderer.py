@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 
 NAMESPACE = "codegen"
 
-# dtype -> the runtime's DType (codegen/include/codegen/tensor.h). The cuBLAS data and
+# dtype -> the runtime's DType (codegen/backend/include/codegen/tensor.h). The cuBLAS data and
 # accumulate types follow from it and from torch's precision flags at call time
 # (rt::gemm_type): fp16 and bf16 accumulate in fp32; fp32 uses TF32 only when allowed.
 DTYPES: dict[torch.dtype, str] = {
@@ -256,7 +256,7 @@ def _layout_checks(program: hir.HostProgram, t: hir.TensorInfo, names: _Names,
 def _input_checks(program: hir.HostProgram, names: _Names) -> dict[str, Any]:
     """Inputs on the GPU are checked first (``rt::input``: CUDA tensors, all on one
     device, which is the op's device); then host inputs (``rt::host_input``: CPU tensors,
-    pinned or pageable, see codegen/include/codegen/host.h). With no GPU input the op
+    pinned or pageable, see codegen/backend/include/codegen/host.h). With no GPU input the op
     runs on the current CUDA device, as the evaluator does (``program_device``)."""
     def spec(t: hir.TensorInfo) -> dict[str, Any]:
         return {"name": names(t.name), "arg": _cstr(t.name), "dtype": DTYPES[t.dtype],
@@ -302,7 +302,7 @@ def _stream(ref: hir.StreamRef) -> str:
     return f"streams.worker({ref.position_str()})"
 
 
-# The storage and compute types of pointwise kernels (codegen/include/codegen/pointwise.h).
+# The storage and compute types of pointwise kernels (codegen/backend/include/codegen/pointwise.h).
 _C_TYPES = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "float",
             torch.float64: "double"}
 
@@ -356,7 +356,8 @@ class _Statements:
                 self.out.append({"kind": "EndFor", "hir": "", "indent": "  " * depth})
 
     def range(self, n: hir.Node) -> str:
-        """The arguments of the statement's ``rt::Range`` (codegen/include/codegen/nvtx.h)."""
+        """The arguments of the statement's ``rt::Range``
+        (codegen/backend/include/codegen/nvtx.h)."""
         if self.loops:
             index = self.loops[-1]
             return f"op, {_cstr(index)}, {index}, {_cstr(str(n))}"

@@ -18,7 +18,7 @@ An :class:`OpDef` says everything the pipeline needs to know about one op kind:
 The IR (``ir.Op``), the host IR (``hostir.Compute``), the evaluator, the stream-order
 checker and the renderer all dispatch through these definitions; adding an op kind is one
 definition here (plus, for a pointwise op, one device function in
-``codegen/include/codegen/pointwise.h``).
+``codegen/backend/include/codegen/pointwise.h``).
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ class OpDef:
     compute: Callable[..., torch.Tensor] | None = None  # pointwise: operands -> result
     cpp: Callable[[list[str], Attrs], str] | None = None  # pointwise: C expression
     # The GEMM epilogue that computes this op (an rt::Epilogue of
-    # codegen/include/codegen/epilogue.h, e.g. "GeluTanh"), or None where there is none.
+    # codegen/backend/include/codegen/epilogue.h, e.g. "GeluTanh"), or None where there is none.
     epilogue: Callable[[Attrs], str | None] | None = None
     # A GEMM whose result may take a pointwise consumer as its epilogue.
     epilogues: bool = True

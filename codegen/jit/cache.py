@@ -71,8 +71,6 @@ def _private(folder: Path, parents: bool = False) -> None:
                      f"a library there may not be the one codegen built. Fix: {fix}")
 
 
-# ---------------------------------------------------------------------------- cache
-
 
 def _digest(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()

@@ -41,11 +41,10 @@ CFLAGS = ("-O1", "-DNDEBUG", "-fvisibility=hidden", "-DUSE_CUDA",
           f"-DTORCH_TARGET_VERSION={TORCH_TARGET_VERSION}")
 
 
-# ---------------------------------------------------------------------------- toolchain
 
-
-# The CUDA headers a program needs: those the runtime includes (codegen/include/codegen/*.h),
-# and two that those include and the wheels torch depends on lack: crt/host_defines.h
+# The CUDA headers a program needs: those the runtime includes
+# (codegen/backend/include/codegen/*.h), and two that those include and the wheels torch
+# depends on lack: crt/host_defines.h
 # (cuda_runtime_api.h's; in the nvidia-cuda-crt wheel, and in Triton's copy of the CUDA
 # headers) and nv/target (cuda_fp16.h's, via cublas_api.h; in the nvidia-cuda-cccl wheel).
 CUDA_HEADERS = ("cuda_runtime_api.h", "crt/host_defines.h", "nv/target", "cublas_v2.h",

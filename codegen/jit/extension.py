@@ -55,8 +55,6 @@ def _failed_target(log: str) -> str | None:
     return match[1] if match else None
 
 
-# ---------------------------------------------------------------------------- cpp_extension
-
 
 @functools.cache
 def _cpp_extension() -> ModuleType:

@@ -18,8 +18,6 @@ from .process import BuildError
 log = logging.getLogger("codegen.jit")
 
 
-# ---------------------------------------------------------------------------- the op
-
 
 # torch's C++ kernel for ops without a derivative (autograd_not_implemented_fallback.h),
 # registered for one op at a time at the Autograd key. It runs the op below autograd and,

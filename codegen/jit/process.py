@@ -126,8 +126,6 @@ def _first_error(log: str) -> str:
     return lines[-1].strip() if lines else "(no compiler output)"
 
 
-# ---------------------------------------------------------------------------- stopping compilers
-
 
 @dataclasses.dataclass(frozen=True)
 class _Process:

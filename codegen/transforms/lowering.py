@@ -26,7 +26,7 @@ from . import cost, passes
 # thread reuses it. The copy stream is the lease's stream after the pool's, and a loop
 # whose copies run ahead uses a second set of pool_size workers after them, so a lease
 # holds at most 2 * MAX_POOL_SIZE streams. The runtime enforces the same bound
-# (``kMaxWorkers`` in codegen/include/codegen/stream.h; a test keeps the two equal).
+# (``kMaxWorkers`` in codegen/backend/include/codegen/stream.h; a test keeps the two equal).
 MAX_POOL_SIZE = 32
 
 
