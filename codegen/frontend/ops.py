@@ -83,7 +83,8 @@ class OpDef:
     accumulates: bool = True
     # Reverse mode (codegen.transforms.gradient): (dy, operands, attrs, builder) -> each
     # operand's gradient, built with the builder's ops (the functions of
-    # codegen.frontend.ir), or a ScheduleError where the op has none.
+    # codegen.frontend.ir and codegen.frontend.grad_ops), or a ScheduleError where the op
+    # has none.
     vjp: Callable[..., dict[str, Any]] | None = None
 
     # One object per op kind: copies of a fusion (Fusion.clone) share the definitions, so
@@ -141,8 +142,8 @@ def same_dtype(op: str) -> Callable[[Mapping[str, Any], Attrs], torch.dtype]:
 # ---------------------------------------------------------------------------- reverse mode
 # Each rule gets the gradient of the op's result (dy), its operands (v: the forward's
 # values, as the backward program sees them), its attributes and a builder (``b``: the
-# functions of codegen.frontend.ir, so these rules build ops like a user's definition does), and
-# gives the gradient of every operand.
+# functions of codegen.frontend.ir and codegen.frontend.grad_ops, so these rules build ops
+# like a user's definition does), and gives the gradient of every operand.
 
 
 def _unbroadcast(op: str, g: Any, like: Any, b: Any) -> Any:

@@ -198,7 +198,7 @@ def overlap_report(events: list[KernelEvent], slices: int, streams: int) -> str:
                         if any(k in o.copies for k in kinds))
     lines.append(f"  {what} time hidden under GEMMs: measured {100 * o.measured:.1f} %, "
                  f"planned {100 * planned:.1f} % ({slices} slices on {streams} streams; "
-                 "see codegen.timeline.planned_hidden)")
+                 "see codegen.tools.timeline.planned_hidden)")
     return "\n".join(lines)
 
 

@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ..errors import InternalError, ScheduleError
-from ..frontend import ir, ops
+from ..frontend import grad_ops, ir, ops
 from ..frontend.ir import Const, Fusion, Sym, TensorView
 from ..frontend.schedule import StreamSplit, replay_stream_split, stream_split
 from .lowering import schedule
@@ -131,7 +131,7 @@ def derive(fusion: Fusion, wanted: Sequence[bool]) -> Gradient:
                 raise ScheduleError(f"{fusion.name}: {op.defn.name} ({op.out.name}) has no "
                                     "backward")
             lazy = _Lazy(op.args, value)
-            for name, g in op.defn.vjp(dy, lazy, dict(op.attrs), ir).items():
+            for name, g in op.defn.vjp(dy, lazy, dict(op.attrs), grad_ops.BUILDER).items():
                 t = op.args.get(name)
                 if t is None or id(t) not in needs:
                     continue
