@@ -65,7 +65,8 @@ def node_classes() -> set[type]:
 
 # The other classes a program holds: itself and the values in its fields and nodes'.
 VALUE_CLASSES = (hir.HostProgram, hir.TensorInfo, hir.Constraint, hir.Stream, hir.CopyStream,
-                 hir.RingStream, hir.Apply, hir.ContractionChoice, hir.StreamedMatmul)
+                 hir.RingStream, hir.Apply, hir.ContractionChoice, hir.StreamedMatmul,
+                 hir.Options)
 
 
 # ---------------------------------------------------------------------------- the defects

@@ -60,6 +60,7 @@ from .nodes import (  # noqa: F401
     Linear,
     Matmul,
     Node,
+    Options,
     RecordEvent,
     ReleaseRingSlot,
     RingSlot,

@@ -614,6 +614,18 @@ class ContractionChoice:
         return "; ".join(map(str, self.matmuls))
 
 
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """How a program was lowered, as one value (``lower``'s options, validated there)."""
+
+    pool_size: int = 4
+    gemm_sm_count: int = 0  # SMs each GEMM may use (cuBLASLt's SM_COUNT_TARGET); 0 = all
+    gemm_library: str = "cublaslt"  # one of GEMM_LIBRARIES
+    copy_stream: bool = False  # host-to-device copies on one stream (queue_copies_in)
+    staging: str = "slots"  # one of STAGINGS: where streamed host slices land on the GPU
+    split_contraction: bool = False  # column blocks of host operands streamed as row blocks
+
+
 @dataclasses.dataclass(eq=False)
 class HostProgram:
     name: str
@@ -621,12 +633,7 @@ class HostProgram:
     outputs: list[str]
     body: list[Node]
     constraints: list[Constraint] = dataclasses.field(default_factory=list)
-    pool_size: int = 4
-    gemm_sm_count: int = 0  # SMs each GEMM may use (cuBLASLt's SM_COUNT_TARGET); 0 = all
-    gemm_library: str = "cublaslt"  # one of GEMM_LIBRARIES
-    copy_stream: bool = False  # host-to-device copies on one stream (queue_copies_in)
-    staging: str = "slots"  # one of STAGINGS: where streamed host slices land on the GPU
-    split_contraction: bool = False  # column blocks of host operands streamed as row blocks
+    options: Options = dataclasses.field(default_factory=Options)
     # split_contraction="auto": what the choice weighs, and the program that streams by rows
     # where the choice is left to the call (this one streams by columns); where the lowering
     # knew every extent, the choice it made, and no alternative.
@@ -637,6 +644,32 @@ class HostProgram:
     # its nodes say everything it runs, so the digest and equality leave it out.
     source: Any = dataclasses.field(default=None, compare=False, repr=False,
                                     metadata={"digest": False})
+
+    # The options, read as the program's own (``program.pool_size``); set through
+    # ``options``.
+    @property
+    def pool_size(self) -> int:
+        return self.options.pool_size
+
+    @property
+    def gemm_sm_count(self) -> int:
+        return self.options.gemm_sm_count
+
+    @property
+    def gemm_library(self) -> str:
+        return self.options.gemm_library
+
+    @property
+    def copy_stream(self) -> bool:
+        return self.options.copy_stream
+
+    @property
+    def staging(self) -> str:
+        return self.options.staging
+
+    @property
+    def split_contraction(self) -> bool:
+        return self.options.split_contraction
 
     def nodes(self) -> Iterator[Node]:
         """Every node in program order, loop bodies included (pre-order)."""

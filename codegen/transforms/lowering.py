@@ -113,9 +113,10 @@ def lower(fusion: Fusion, *, pool_size: int = 4, gemm_sm_count: int = 0,
         assert state.program is not None and not isinstance(state.split_contraction, str)
         program, choice, split_contraction = state.program, state.choice, \
             state.split_contraction
-    program = program.replace(gemm_sm_count=gemm_sm_count, gemm_library=gemm_library,
-                              copy_stream=copy_stream, staging=staging,
-                              split_contraction=split_contraction,
+    options = hir.Options(pool_size=pool_size, gemm_sm_count=gemm_sm_count,
+                          gemm_library=gemm_library, copy_stream=copy_stream, staging=staging,
+                          split_contraction=split_contraction)
+    program = program.replace(options=options,
                               source=None if distributed.is_distributed(work) else fusion.clone())
     if "hostir" in dump:
         _dump("hostir after build_host_program", str(program))

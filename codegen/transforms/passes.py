@@ -432,7 +432,7 @@ def build_host_program(
         outputs=[t.name for t in fusion.outputs],
         body=body,
         constraints=_constraints(fusion),
-        pool_size=pool_size,
+        options=hir.Options(pool_size=pool_size),
     )
 
 
