@@ -16,12 +16,13 @@ setup(
     version=VERSION["__version__"],
     description="Compile stream-parallel matmul schedules into C++ torch ops calling cuBLAS",
     python_requires=">=3.10",
-    packages=["codegen", "codegen.hostir", "codegen.distributed", "codegen.nn",
-              "codegen.templates"],
-    # templates/ lives at the top of the repo and ships inside the package.
-    package_dir={"codegen": "codegen", "codegen.templates": "templates"},
-    # The C++ runtime headers ship with the package: every generated program includes them.
-    package_data={"codegen.templates": ["*.j2"], "codegen": ["include/codegen/*.h"]},
+    # One package per stage of the pipeline (docs/architecture.md).
+    packages=["codegen", "codegen.frontend", "codegen.hostir", "codegen.distributed",
+              "codegen.transforms", "codegen.runtime", "codegen.interp", "codegen.backend",
+              "codegen.jit", "codegen.nn", "codegen.tools"],
+    # The templates and the C++ runtime headers ship with the renderer that uses them:
+    # every generated program includes the headers.
+    package_data={"codegen.backend": ["templates/*.j2", "include/codegen/*.h"]},
     install_requires=[f"torch>={VERSION['TORCH_REQUIRED']}", "jinja2>=3.0", "ninja"],
     extras_require={
         # ruff exactly: tests/test_lint.py runs it, and a new release's rules could fail

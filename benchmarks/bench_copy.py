@@ -197,8 +197,8 @@ int main() {
 
 def nvtx_range_ns() -> float | None:
     """Host nanoseconds of one codegen NVTX range with no tool attached (best of 5)."""
-    from codegen.builder import cuda_home
-    from codegen.renderer import include_dir
+    from codegen.backend.renderer import include_dir
+    from codegen.jit import cuda_home
 
     home = cuda_home()
     if home is None:

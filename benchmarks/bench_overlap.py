@@ -194,7 +194,7 @@ def _trace(call: Any, pool: int, case: dict[str, Any], out: str, rank: int) -> s
     """Profiles one call of the op on every rank (the collectives need them all); rank 0
     draws its streams (collectives crossed) and prints how much collective time the GEMMs
     hid, measured beside planned (codegen.timeline). Returns that report."""
-    from codegen.timeline import overlap_report, plot_kernels, profile_gpu
+    from codegen.tools.timeline import overlap_report, plot_kernels, profile_gpu
 
     events = [e for e in profile_gpu(call) if e.kind != "memset"]
     report = overlap_report(events, case["slices"], min(case["slices"], pool))

@@ -45,7 +45,7 @@ import codegen as cg
 from benchmarks import launch_floor
 from benchmarks.common import RESULTS, host_sample, rotated, warm_up
 from codegen import examples
-from codegen.builder import build_library
+from codegen.jit import build_library
 
 SLICES = (1, 2, 4, 8)
 LIBRARIES = ("cublaslt", "cublas")

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from benchmarks.common import gpu_busy
-from codegen.builder import cuda_home
+from codegen.jit import cuda_home
 
 SOURCE = Path(__file__).resolve().with_name("launch_floor.cpp")
 NAME = "bench_launch_floor"

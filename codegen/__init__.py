@@ -16,11 +16,9 @@ from .version import __version__, check_torch
 # Before anything that uses torch's newer APIs: an old torch is one clear ImportError.
 check_torch(str(_torch.__version__), str(_torch.__file__))
 
-from .builder import BuildError, CompiledOp, build, compile
+from .backend.renderer import render
 from .errors import InternalError, NoGPUError, ScheduleError
-from .evaluator import evaluate
-from .hostir import HostProgram
-from .ir import (
+from .frontend.ir import (
     DeviceMesh,
     Fusion,
     IterDomain,
@@ -37,8 +35,10 @@ from .ir import (
     relu,
     silu,
 )
-from .lowering import lower, schedule
-from .renderer import render
+from .hostir import HostProgram
+from .interp.evaluator import evaluate
+from .jit import BuildError, CompiledOp, build, compile
+from .transforms.lowering import lower, schedule
 
 __all__ = [
     "__version__",
@@ -103,5 +103,6 @@ if _logger.level == _logging.NOTSET:
     _logger.setLevel(_logging.INFO)
 _logger.addHandler(_UntilLoggingIsConfigured())
 
-# `import codegen` gives codegen.nn too; imported last, once the package is whole.
-from . import nn
+# `import codegen` gives codegen.nn and codegen.examples too; imported last, once the
+# package is whole.
+from . import examples, nn  # noqa: F401

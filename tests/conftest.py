@@ -4,7 +4,7 @@ import torch
 
 def pytest_collection_modifyitems(config, items):
     """Skips the GPU tests without a GPU, and the tests that build C++ where builds cannot
-    run here, with what is missing (codegen.builder.toolchain_problem, the check a build
+    run here, with what is missing (codegen.jit.toolchain_problem, the check a build
     itself makes)."""
     if not torch.cuda.is_available():
         skip = pytest.mark.skip(reason="needs a CUDA GPU")
@@ -13,7 +13,7 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(skip)
     builds = [item for item in items if "build" in item.keywords]
     if builds:
-        from codegen.builder import toolchain_problem
+        from codegen.jit import toolchain_problem
 
         problem = toolchain_problem()
         if problem is not None:

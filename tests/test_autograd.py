@@ -9,8 +9,10 @@ from conftest import ints
 from helpers import BATCHED_SHAPES, BATCHED_TORCH, batched, stream_loops
 
 import codegen as cg
-from codegen import autograd, examples, races
+from codegen import examples
 from codegen import hostir as hir
+from codegen.interp import races
+from codegen.runtime import autograd
 
 F64 = torch.float64
 
@@ -283,7 +285,7 @@ def test_backward_programs_print_their_gradient_ops():
 def test_backward_digest_ignores_the_source():
     """The source fusion is not part of the program: two lowerings of one fusion have one
     op name, and the backward's name differs from the forward's."""
-    from codegen.builder import op_name
+    from codegen.backend.renderer import op_name
 
     f = examples.llama_mlp()
     assert op_name(cg.lower(f)) == op_name(cg.lower(f))

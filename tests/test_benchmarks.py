@@ -423,7 +423,7 @@ def test_host_cost_says_it_needs_a_gpu():
 @pytest.mark.build
 def test_host_cost_ladder_builds_and_registers_each_step(cache_dir):
     from benchmarks import host_cost
-    from codegen.builder import build_library
+    from codegen.jit import build_library
 
     build_library("codegen_bench_host_cost_ladder", host_cost.LADDER_SOURCE)
     for i in range(len(host_cost.LADDER)):
@@ -458,7 +458,7 @@ def test_bench_overlap_row_and_line():
 def test_bench_overlap_trace_draws_and_reports(tmp_path, monkeypatch):
     pytest.importorskip("matplotlib")
     from benchmarks import bench_overlap as bo
-    from codegen import timeline
+    from codegen.tools import timeline
 
     ag, gemm = "ncclDevKernel_AllGather_RING_LL", "nvjet_gemm"
     events = [timeline.KernelEvent(ag, 3, 0.0, 50.0, "collective"),
@@ -478,7 +478,7 @@ def test_copy_trace_splits_a_sustained_trace_into_calls(monkeypatch):
     them; the second copy of a call starts 5 us after the first ends, and the next call
     starts 45 us after the last GEMM of the one before."""
     from benchmarks.probes import copy_trace
-    from codegen.timeline import KernelEvent
+    from codegen.tools.timeline import KernelEvent
 
     events = []
     for c in range(2):

@@ -12,9 +12,9 @@ import torch
 from helpers import stream_matmul_columns
 
 import codegen as cg
-from codegen.__main__ import CSRC_GEN, stale_goldens
-from codegen.builder import BuildError, build_library
 from codegen.examples import DISTRIBUTED_EXAMPLES, EXAMPLES
+from codegen.jit import BuildError, build_library
+from tools.regen import CSRC_GEN, stale_goldens
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -26,7 +26,7 @@ def ops(cache_dir):
 
 def test_goldens_are_up_to_date():
     diff = stale_goldens(CSRC_GEN)
-    assert not diff, f"csrc_gen/ is stale; run `python -m codegen regen`:\n{diff}"
+    assert not diff, f"csrc_gen/ is stale; run `python tools/regen.py`:\n{diff}"
 
 
 def test_render_is_deterministic_and_has_no_paths():
@@ -240,10 +240,10 @@ def _autograd_kernel(name):
 
 @pytest.mark.build
 def test_a_backward_program_gets_torchs_cpp_no_backward_kernel(ops):
-    """A differentiable op's autograd kernel is the Python one of codegen.autograd (the
+    """A differentiable op's autograd kernel is the Python one of codegen.runtime.autograd (the
     compiled op calls below it when nothing records, so no trip through Python then); a
     backward program has no backward: torch's C++ kernel, which costs nothing."""
-    from codegen import autograd
+    from codegen.runtime import autograd
 
     assert "codegen_no_backward.cpp" not in _autograd_kernel(ops["matmul_rows"].name)
     program = ops["matmul_rows"].host_ir

@@ -1,9 +1,11 @@
 """The build cache under concurrency and faults (CPU; CI)."""
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -117,44 +119,40 @@ def test_precompiled_runtime_killed_midway_is_rebuilt(tmp_path, parked):
 
 def test_a_linker_that_fails_falls_back_to_the_default_one(tmp_path, monkeypatch):
     # The H200 image's GCC in /opt/gcc has a libstdc++ linker script gold cannot read.
-    import importlib
 
+    from codegen import jit
     from codegen.examples import matmul_rows
 
-    build = importlib.import_module("codegen.builder")  # cg.build is the function
-
     monkeypatch.setenv("CODEGEN_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(build, "GOLD", "-fuse-ld=no-such-linker")
-    which = build.shutil.which  # "ld.gold is there"; cpp_extension looks for others
-    monkeypatch.setattr(build.shutil, "which",
+    monkeypatch.setattr(jit.compiler, "GOLD", "-fuse-ld=no-such-linker")
+    which = shutil.which  # "ld.gold is there"; cpp_extension looks for others
+    monkeypatch.setattr(shutil, "which",
                         lambda name, **kw: "/usr/bin/ld.gold" if name == "ld.gold"
                         else which(name, **kw))
-    monkeypatch.setattr(build, "_gold_failed", build.threading.Event())
-    build._toolchain.cache_clear()
+    monkeypatch.setattr(jit.compiler, "_gold_failed", threading.Event())
+    jit.compiler._toolchain.cache_clear()
     try:
-        assert "-fuse-ld=no-such-linker" in build.toolchain().ldflags
+        assert "-fuse-ld=no-such-linker" in jit.compiler.toolchain().ldflags
         import codegen as cg
 
         op = cg.compile(matmul_rows(slices=3, name="gold_fallback"))
-        assert op.library.is_file() and build._gold_failed.is_set()
-        assert "-fuse-ld=no-such-linker" not in build.toolchain().ldflags
+        assert op.library.is_file() and jit.compiler._gold_failed.is_set()
+        assert "-fuse-ld=no-such-linker" not in jit.compiler.toolchain().ldflags
     finally:
-        build._toolchain.cache_clear()
+        jit.compiler._toolchain.cache_clear()
 
 
 def test_unused_precompiled_runtimes_are_removed_by_the_next_build(tmp_path, monkeypatch):
     import fcntl
-    import importlib
 
     import codegen as cg
+    from codegen import jit
     from codegen.examples import matmul_rows
-
-    build = importlib.import_module("codegen.builder")
     monkeypatch.setenv("CODEGEN_CACHE_DIR", str(tmp_path))
-    day_ago = time.time() - 2 * build.PCH_UNUSED_S
+    day_ago = time.time() - 2 * jit.precompiled.PCH_UNUSED_S
 
     def fake_pch(name: str, last_used: float) -> Path:
-        folder = tmp_path / f"{build.PCH_PREFIX}{name}"
+        folder = tmp_path / f"{jit.precompiled.PCH_PREFIX}{name}"
         (folder / "codegen").mkdir(parents=True)
         (folder / "codegen" / "runtime.h.gch").write_bytes(b"x" * 1000)
         (folder / "ok").write_text("key 1000\n")
@@ -168,10 +166,10 @@ def test_unused_precompiled_runtimes_are_removed_by_the_next_build(tmp_path, mon
     with open(in_use / "users.lock", "a") as user:  # a compiler reading it, elsewhere
         fcntl.flock(user, fcntl.LOCK_SH)
         # A program of its own: one loaded earlier in this process would not be built.
-        build.build(cg.lower(matmul_rows(slices=3, name="pch_prune_probe")))
+        jit.op.build(cg.lower(matmul_rows(slices=3, name="pch_prune_probe")))
     assert not stale.exists()
     assert recent.exists() and in_use.exists()
-    (current,) = [f for f in tmp_path.glob(f"{build.PCH_PREFIX}*")
+    (current,) = [f for f in tmp_path.glob(f"{jit.precompiled.PCH_PREFIX}*")
                   if f not in (recent, in_use)]
     assert (current / "ok").is_file() and (current / "ok").stat().st_mtime >= before  # used
-    assert build._prune_precompiled(keep=current) == [in_use]  # once nobody uses it
+    assert jit.precompiled._prune_precompiled(keep=current) == [in_use]  # once nobody uses it

@@ -6,7 +6,6 @@ owner can write (CPU; CI)."""
 import contextlib
 import dataclasses
 import fcntl
-import importlib
 import os
 import re
 import shlex
@@ -20,14 +19,14 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 import codegen as cg
+from codegen import jit
+from codegen.backend.renderer import include_dir
 from codegen.examples import matmul_rows
-from codegen.renderer import include_dir
 
 pytestmark = pytest.mark.build  # every test here builds C++
-
-builder = importlib.import_module("codegen.builder")  # cg.build is the function
 
 RUNTIME_PROGRAM = '#include "codegen/runtime.h"\nint {name}_probe() {{ return 1; }}\n'
 PLAIN_PROGRAM = 'extern "C" int {name}_probe() {{ return 1; }}\n'  # no headers: quick
@@ -154,8 +153,8 @@ def fake_cxx(monkeypatch, tmp_path, parked):
     """Installs a fake $CXX for one test (the toolchain is recomputed before and after);
     gives a function (name, park_on, folder) -> the log of compiles; runs matching the
     case pattern ``park_on`` park (``parked``)."""
-    monkeypatch.setattr(builder, "_gold_failed", threading.Event())
-    builder._toolchain.cache_clear()
+    monkeypatch.setattr(jit.compiler, "_gold_failed", threading.Event())
+    jit.compiler._toolchain.cache_clear()
 
     def install(name: str, park_on: str | None = None, folder: Path | None = None) -> Path:
         script = fake_cxx_script(folder or tmp_path / "bin", name)
@@ -165,12 +164,12 @@ def fake_cxx(monkeypatch, tmp_path, parked):
         monkeypatch.setenv("CG_TEST_LOG", str(log))
         for key, value in parked.env(park_on or "").items():
             monkeypatch.setenv(key, value)
-        builder._toolchain.cache_clear()
+        jit.compiler._toolchain.cache_clear()
         return log
 
     yield install
     monkeypatch.undo()
-    builder._toolchain.cache_clear()
+    jit.compiler._toolchain.cache_clear()
 
 
 def stop_when_parked(monkeypatch, runs: Parked) -> None:
@@ -182,7 +181,7 @@ def stop_when_parked(monkeypatch, runs: Parked) -> None:
                 return True
         return False
 
-    monkeypatch.setattr(builder, "_deadline_passed", parked_yet)
+    monkeypatch.setattr(jit.process, "_deadline_passed", parked_yet)
 
 
 @contextlib.contextmanager
@@ -220,7 +219,7 @@ def _alive(pid: int) -> bool:
 
 def _pch_folder(cache: Path) -> Path:
     """The one precompiled runtime of a cache."""
-    (folder,) = cache.glob(f"{builder.PCH_PREFIX}*")
+    (folder,) = cache.glob(f"{jit.precompiled.PCH_PREFIX}*")
     return folder
 
 # ---------------------------------------------------------------------------- the build path
@@ -234,11 +233,11 @@ def test_a_program_is_built_by_cpp_extension_and_ninja_with_the_precompiled_runt
     ninja = (folder / "build.ninja").read_text()
     assert f"-DTORCH_EXTENSION_NAME={name}" in ninja  # cpp_extension wrote it
     pch = Path(re.search(r" -I(\S+) -Winvalid-pch ", ninja).group(1))
-    assert pch.parent == cache_dir and pch.name.startswith(builder.PCH_PREFIX)
+    assert pch.parent == cache_dir and pch.name.startswith(jit.precompiled.PCH_PREFIX)
     assert f"-I{pch} -Winvalid-pch -I{include_dir()}" in ninja
     steps = (folder / ".ninja_log").read_text()
     assert f"\t{name}.o\t" in steps and f"\t{name}.so\t" in steps
-    assert str(op.library) in builder.torch.ops.loaded_libraries
+    assert str(op.library) in torch.ops.loaded_libraries
     # ninja's compile command (ninja from this interpreter's environment, a dependency, not
     # whichever is on PATH), asked which headers it reads: the .gch ("!": used).
     commands = subprocess.run([sys.executable, "-m", "ninja", "-t", "commands", f"{name}.o"],
@@ -256,8 +255,8 @@ def test_a_program_is_built_by_cpp_extension_and_ninja_with_the_precompiled_runt
 
 
 def test_the_autograd_library_of_torchs_full_headers_is_built_by_ninja_too(cache_dir):
-    assert builder._no_backward() is not None
-    _, library = builder._loaded["codegen_no_backward"]
+    assert jit.no_backward._no_backward() is not None
+    _, library = jit.cache._loaded["codegen_no_backward"]
     ninja = (library.parent / "build.ninja").read_text()
     assert "torch/csrc/api/include" in ninja and "-DTORCH_TARGET_VERSION" not in ninja
     assert "runtime-pch-" not in ninja  # it does not include the runtime
@@ -266,7 +265,7 @@ def test_the_autograd_library_of_torchs_full_headers_is_built_by_ninja_too(cache
 def test_a_build_loads_its_library_once_under_the_entry_lock(cache_dir, monkeypatch):
     monkeypatch.setenv("CODEGEN_REBUILD", "1")  # a build, not a load from the cache
     loads = []
-    real = builder.torch.ops.load_library
+    real = torch.ops.load_library
 
     def probe(path: str) -> None:
         with open(Path(path).parent / "codegen.lock", "w") as f:
@@ -278,10 +277,10 @@ def test_a_build_loads_its_library_once_under_the_entry_lock(cache_dir, monkeypa
                 loads.append((path, True))
         real(path)
 
-    monkeypatch.setattr(builder.torch.ops, "load_library", probe)
-    library = builder.build_library("load_once_probe", RUNTIME_PROGRAM.format(name="load_once"))
+    monkeypatch.setattr(torch.ops, "load_library", probe)
+    library = jit.build_library("load_once_probe", RUNTIME_PROGRAM.format(name="load_once"))
     assert loads == [(str(library), True)]
-    assert (library.parent / "ok").read_text().split()[1] == builder._digest(
+    assert (library.parent / "ok").read_text().split()[1] == jit.cache._digest(
         library.read_bytes())
 
 
@@ -300,7 +299,7 @@ def test_a_cache_path_with_a_space_builds_with_the_precompiled_runtime(cache_dir
     spaced.symlink_to(cache_dir)  # the session's cache (and its runtime) under a spaced path
     monkeypatch.setenv("CODEGEN_CACHE_DIR", str(spaced))
     monkeypatch.setenv("CODEGEN_REBUILD", "1")  # a build, not a load from the cache
-    library = builder.build_library("spaced_probe", RUNTIME_PROGRAM.format(name="spaced"))
+    library = jit.build_library("spaced_probe", RUNTIME_PROGRAM.format(name="spaced"))
     assert library.parent.parent == spaced
     ninja = (library.parent / "build.ninja").read_text()
     (flag,) = shlex.split(re.search(r" ('-I[^']*') -Winvalid-pch ", ninja).group(1))
@@ -313,8 +312,8 @@ def test_a_relative_cache_dir_is_made_absolute(cache_dir, monkeypatch):
     monkeypatch.chdir(cache_dir.parent)
     monkeypatch.setenv("CODEGEN_CACHE_DIR", cache_dir.name)
     monkeypatch.setenv("CODEGEN_REBUILD", "1")
-    assert builder.cache_root() == cache_dir
-    library = builder.build_library("relative_probe", RUNTIME_PROGRAM.format(name="relative"))
+    assert jit.cache.cache_root() == cache_dir
+    library = jit.build_library("relative_probe", RUNTIME_PROGRAM.format(name="relative"))
     assert library.parent.parent == cache_dir
     headers = _headers_compiled(library.parent)  # ninja ran in the entry's folder
     assert headers == [str(library.with_suffix(".cpp"))], headers
@@ -325,23 +324,23 @@ def test_a_failed_compile_that_left_an_object_is_not_taken_for_a_link_error(
     """GCC given an input it cannot find beside the source still compiles the source, and
     fails: ninja's failed step is the compile, so the error is reported once, as a
     compile error, and the link is not retried without gold."""
-    real = builder._toolchain
+    real = jit.compiler._toolchain
 
-    def stray_input(gold: bool) -> builder.Toolchain:
+    def stray_input(gold: bool) -> jit.compiler.Toolchain:
         tools = real(gold)
         return dataclasses.replace(tools, cflags=(*tools.cflags, "no_such_input"))
 
     monkeypatch.setenv("CODEGEN_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(builder, "_gold_failed", threading.Event())
-    monkeypatch.setattr(builder, "_toolchain", stray_input)
+    monkeypatch.setattr(jit.compiler, "_gold_failed", threading.Event())
+    monkeypatch.setattr(jit.compiler, "_toolchain", stray_input)
     with pytest.raises(cg.BuildError, match=r"building stray_probe failed: .*no_such_input") \
             as e:
-        builder.build_library("stray_probe", PLAIN_PROGRAM.format(name="stray"),
+        jit.build_library("stray_probe", PLAIN_PROGRAM.format(name="stray"),
                               full_torch=True)
-    assert not isinstance(e.value, builder._LinkError)
+    assert not isinstance(e.value, jit.extension._LinkError)
     (folder,) = tmp_path.glob("stray_probe-*")
     assert (folder / "stray_probe.o").is_file()  # what made it look like a link error
-    assert not builder._gold_failed.is_set()
+    assert not jit.compiler._gold_failed.is_set()
 
 
 @pytest.mark.parametrize("log,target", [
@@ -350,7 +349,7 @@ def test_a_failed_compile_that_left_an_object_is_not_taken_for_a_link_error(
     ("Error building extension 'a': ninja: error: loading 'build.ninja'", None),
 ])
 def test_the_failed_step_is_read_from_ninjas_log(log, target):
-    assert builder._failed_target(log) == target
+    assert jit.extension._failed_target(log) == target
 
 
 # ---------------------------------------------------------------------------- gold
@@ -359,34 +358,34 @@ def test_the_failed_step_is_read_from_ninjas_log(log, target):
 def test_a_compile_error_is_not_blamed_on_gold(cache_dir, fake_cxx):
     # The same path in every run of a cache, so its precompiled runtime is reused.
     log = fake_cxx("g++-counting", folder=cache_dir / "test-cxx")
-    if builder.GOLD not in builder.toolchain().ldflags:
+    if jit.compiler.GOLD not in jit.compiler.toolchain().ldflags:
         pytest.skip("gold is not on this machine")
     with pytest.raises(cg.BuildError, match=r"building gold_blame_probe failed: .*error"):
-        builder.build_library("gold_blame_probe", "int f() { return 1 +; }\n")
+        jit.build_library("gold_blame_probe", "int f() { return 1 +; }\n")
     compiles = [line for line in log.read_text().splitlines() if "gold_blame_probe" in line]
     assert len(compiles) == 1, compiles
-    assert not builder._gold_failed.is_set()
-    assert builder.GOLD in builder.toolchain().ldflags
+    assert not jit.compiler._gold_failed.is_set()
+    assert jit.compiler.GOLD in jit.compiler.toolchain().ldflags
 
 
 def test_a_link_that_fails_without_gold_too_leaves_gold_on(tmp_path, monkeypatch):
-    real = builder._toolchain
+    real = jit.compiler._toolchain
 
-    def missing_library(gold: bool) -> builder.Toolchain:
+    def missing_library(gold: bool) -> jit.compiler.Toolchain:
         tools = real(gold)
         return dataclasses.replace(tools, ldflags=(*tools.ldflags, "-lcodegen_no_such_lib"))
 
     monkeypatch.setenv("CODEGEN_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(builder, "_gold_failed", threading.Event())
-    monkeypatch.setattr(builder, "_toolchain", missing_library)
-    if builder.GOLD not in builder.toolchain().ldflags:
+    monkeypatch.setattr(jit.compiler, "_gold_failed", threading.Event())
+    monkeypatch.setattr(jit.compiler, "_toolchain", missing_library)
+    if jit.compiler.GOLD not in jit.compiler.toolchain().ldflags:
         pytest.skip("gold is not on this machine")
     with pytest.raises(cg.BuildError, match=r"building link_probe failed: .*ld.*cannot find "
                                             r"-lcodegen_no_such_lib"):
-        builder.build_library("link_probe", PLAIN_PROGRAM.format(name="link"),
+        jit.build_library("link_probe", PLAIN_PROGRAM.format(name="link"),
                               full_torch=True)
-    assert not builder._gold_failed.is_set()
-    assert builder.GOLD in builder.toolchain().ldflags
+    assert not jit.compiler._gold_failed.is_set()
+    assert jit.compiler.GOLD in jit.compiler.toolchain().ldflags
     (folder,) = tmp_path.glob("link_probe-*")
     steps = [line.split("\t")[3] for line in (folder / ".ninja_log").read_text().splitlines()
              if not line.startswith("#")]
@@ -406,7 +405,7 @@ def test_a_hung_compiler_is_stopped_with_a_clear_error(tmp_path, monkeypatch, fa
             r"building hang_probe timed out after 1.5 s and the compiler was stopped; .*"
             r"raise the limit with CODEGEN_BUILD_TIMEOUT_S=<seconds> \(default 600\)\n"
             r"full log: .*build.log")):
-        builder.build_library("hang_probe", PLAIN_PROGRAM.format(name="hang"), full_torch=True)
+        jit.build_library("hang_probe", PLAIN_PROGRAM.format(name="hang"), full_torch=True)
     hung = parked.running()
     assert hung and not wait_until_exited(hung)
 
@@ -419,7 +418,7 @@ def test_a_hung_compiler_of_the_precompiled_runtime_is_stopped_too(tmp_path, mon
     monkeypatch.setenv("CODEGEN_BUILD_TIMEOUT_S", "1")
     with pytest.raises(cg.BuildError, match=r"building the runtime's precompiled header timed "
                                             r"out after 1 s .*CODEGEN_BUILD_TIMEOUT_S"):
-        builder.build_library("hang_pch_probe", RUNTIME_PROGRAM.format(name="hang_pch"))
+        jit.build_library("hang_pch_probe", RUNTIME_PROGRAM.format(name="hang_pch"))
     hung = parked.running()
     assert hung and not wait_until_exited(hung)
     assert not list((tmp_path / "cache").glob("runtime-pch-*/codegen/*.partial*"))
@@ -432,7 +431,7 @@ def test_an_interrupted_build_stops_its_compiler(tmp_path, monkeypatch, fake_cxx
     fake_cxx("g++-hang", park_on="*.cpp *")
     monkeypatch.setenv("CODEGEN_CACHE_DIR", str(tmp_path / "cache"))
     with interrupted_when_parked(parked):
-        builder.build_library("interrupted_probe", PLAIN_PROGRAM.format(name="interrupted"),
+        jit.build_library("interrupted_probe", PLAIN_PROGRAM.format(name="interrupted"),
                               full_torch=True)
     hung = parked.running()
     assert hung and not wait_until_exited(hung)
@@ -445,8 +444,8 @@ def test_an_interrupted_build_stops_the_precompiled_runtimes_compiler(tmp_path, 
     fake_cxx("g++-hang", park_on="* c++-header *")
     monkeypatch.setenv("CODEGEN_CACHE_DIR", str(tmp_path / "cache"))
     with interrupted_when_parked(parked):
-        builder.build_library("interrupted_pch_probe",
-                              RUNTIME_PROGRAM.format(name="interrupted_pch"))
+        jit.build_library("interrupted_pch_probe",
+                          RUNTIME_PROGRAM.format(name="interrupted_pch"))
     hung = parked.running()
     assert hung and not wait_until_exited(hung)
     assert not list((tmp_path / "cache").glob("runtime-pch-*/codegen/*.partial*"))
@@ -466,15 +465,15 @@ def test_an_interrupt_before_popen_returns_still_stops_the_compiler(tmp_path, mo
         signal.raise_signal(signal.SIGINT)
         return proc
 
-    monkeypatch.setattr(builder.subprocess, "Popen", popen_interrupted_on_return)
+    monkeypatch.setattr(jit.process.subprocess, "Popen", popen_interrupted_on_return)
     handler = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         with pytest.raises(KeyboardInterrupt):
-            builder.build_library("interrupted_popen_probe",
-                                  RUNTIME_PROGRAM.format(name="interrupted_popen"))
+            jit.build_library("interrupted_popen_probe",
+                              RUNTIME_PROGRAM.format(name="interrupted_popen"))
     finally:
         signal.signal(signal.SIGINT, handler)
-        monkeypatch.setattr(builder.subprocess, "Popen", real)
+        monkeypatch.setattr(jit.process.subprocess, "Popen", real)
     hung = parked.running()
     assert hung and not wait_until_exited(hung)
 
@@ -485,11 +484,11 @@ def test_a_compiler_that_outlives_its_kill_is_an_error_that_names_it(tmp_path, m
     stop_when_parked(monkeypatch, parked)
     # As if SIGKILL did not end it (a process stuck in the kernel): the parked run never
     # exits, so the wait for it need not be long to run out.
-    monkeypatch.setattr(builder, "_kill_group", lambda pgrp: (set(), {pgrp}))
-    monkeypatch.setattr(builder, "EXIT_WAIT_S", 0.5)
+    monkeypatch.setattr(jit.process, "_kill_group", lambda pgrp: (set(), {pgrp}))
+    monkeypatch.setattr(jit.process, "EXIT_WAIT_S", 0.5)
     monkeypatch.setenv("CODEGEN_CACHE_DIR", str(tmp_path / "cache"))
     with pytest.raises(cg.BuildError) as error:
-        builder.build_library("unkillable_probe", RUNTIME_PROGRAM.format(name="unkillable"))
+        jit.build_library("unkillable_probe", RUNTIME_PROGRAM.format(name="unkillable"))
     (pid,) = parked.running()
     folder = _pch_folder(tmp_path / "cache")
     assert re.fullmatch(
@@ -505,7 +504,7 @@ def test_a_bad_timeout_is_refused(monkeypatch):
     monkeypatch.setenv("CODEGEN_BUILD_TIMEOUT_S", "soon")
     with pytest.raises(cg.BuildError, match="CODEGEN_BUILD_TIMEOUT_S must be a number of "
                                             "seconds > 0, got 'soon'"):
-        builder.build_timeout()
+        jit.process.build_timeout()
 
 
 # ---------------------------------------------------------------------------- concurrency
@@ -542,11 +541,11 @@ def test_two_programs_build_at_once_from_two_threads(tmp_path, monkeypatch):
         inside.wait(timeout=20)
         return 0.0
 
-    monkeypatch.setattr(builder, "_compile", compile_)
+    monkeypatch.setattr(jit.extension, "_compile", compile_)
     names = [f"at_once_{i}_{os.getpid()}" for i in (1, 2)]
-    errors = _in_threads(*[lambda n=n: builder.build_library(n, f"// {n}\n") for n in names])
+    errors = _in_threads(*[lambda n=n: jit.build_library(n, f"// {n}\n") for n in names])
     for n in names:  # the fake libraries stay out of later tests
-        builder._loaded.pop(n, None)
+        jit.cache._loaded.pop(n, None)
     assert not errors, errors
 
 
@@ -567,7 +566,7 @@ def test_two_real_builds_overlap_in_time(cache_dir, monkeypatch, fake_cxx, parke
     meeting = threading.Thread(target=meet, daemon=True)
     meeting.start()
     names = ["overlap_probe_a", "overlap_probe_b"]
-    errors = _in_threads(*[lambda n=n: builder.build_library(n, RUNTIME_PROGRAM.format(name=n))
+    errors = _in_threads(*[lambda n=n: jit.build_library(n, RUNTIME_PROGRAM.format(name=n))
                            for n in names])
     met.set()
     meeting.join()
@@ -578,12 +577,12 @@ def test_two_real_builds_overlap_in_time(cache_dir, monkeypatch, fake_cxx, parke
 def test_one_program_from_two_threads_is_built_once(cache_dir, monkeypatch):
     monkeypatch.setenv("CODEGEN_REBUILD", "1")
     built = []
-    real = builder._compile
-    monkeypatch.setattr(builder, "_compile",
+    real = jit.extension._compile
+    monkeypatch.setattr(jit.extension, "_compile",
                         lambda entry, *a, **k: built.append(entry.name) or real(entry, *a, **k))
     source = RUNTIME_PROGRAM.format(name="once")
     libraries = []
-    errors = _in_threads(*[lambda: libraries.append(builder.build_library("once_probe", source))
+    errors = _in_threads(*[lambda: libraries.append(jit.build_library("once_probe", source))
                            for _ in range(2)])
     assert not errors, errors
     assert built == ["once_probe"] and len(set(libraries)) == 1
@@ -601,7 +600,7 @@ def test_a_cache_root_that_others_can_write_is_refused(tmp_path, monkeypatch):
             f"refusing to use the build cache folder {root}: it is writable by group and "
             f"others (mode 0777), so a library there may not be the one codegen built. "
             f"Fix: chmod 700 {root}, or set CODEGEN_CACHE_DIR to a folder of your own")):
-        builder.build_library("never_built_shared", "// nothing\n")
+        jit.build_library("never_built_shared", "// nothing\n")
     assert list(root.iterdir()) == []
 
 
@@ -614,22 +613,22 @@ def test_a_cache_root_of_another_user_is_refused(tmp_path, monkeypatch):
     with pytest.raises(cg.BuildError, match=re.escape(
             f"{root}: it is owned by uid 12345, not by you (uid 0), so a library there may not "
             "be the one codegen built. Fix: set CODEGEN_CACHE_DIR to a folder of your own")):
-        builder.build_library("never_built_theirs", "// nothing\n")
+        jit.build_library("never_built_theirs", "// nothing\n")
 
 
 def test_an_entry_that_group_can_write_is_not_loaded(cache_dir, monkeypatch):
     source = RUNTIME_PROGRAM.format(name="group_entry")
-    library = builder.build_library("group_entry_probe", source)
+    library = jit.build_library("group_entry_probe", source)
     folder = library.parent
-    monkeypatch.delitem(builder._loaded, "group_entry_probe")  # as in a new process
+    monkeypatch.delitem(jit.cache._loaded, "group_entry_probe")  # as in a new process
     folder.chmod(0o770)
     try:
         with pytest.raises(cg.BuildError, match=re.escape(
                 f"{folder}: it is writable by group (mode 0770)")):
-            builder.build_library("group_entry_probe", source)
+            jit.build_library("group_entry_probe", source)
     finally:
         folder.chmod(0o700)
-    assert builder.build_library("group_entry_probe", source) == library
+    assert jit.build_library("group_entry_probe", source) == library
 
 
 def test_a_new_cache_is_private_whatever_the_umask(tmp_path, monkeypatch):
@@ -637,7 +636,7 @@ def test_a_new_cache_is_private_whatever_the_umask(tmp_path, monkeypatch):
     monkeypatch.setenv("CODEGEN_CACHE_DIR", str(root))
     umask = os.umask(0)
     try:
-        library = builder.build_library("private_probe", PLAIN_PROGRAM.format(name="private"),
+        library = jit.build_library("private_probe", PLAIN_PROGRAM.format(name="private"),
                                         full_torch=True)
     finally:
         os.umask(umask)
@@ -649,7 +648,7 @@ def test_a_new_cache_is_private_whatever_the_umask(tmp_path, monkeypatch):
 def test_a_pytest_tmp_dir_is_a_good_cache(tmp_path, monkeypatch):
     assert tmp_path.stat().st_mode & 0o777 == 0o700
     monkeypatch.setenv("CODEGEN_CACHE_DIR", str(tmp_path))
-    library = builder.build_library("tmp_dir_probe", RUNTIME_PROGRAM.format(name="tmp_dir"))
+    library = jit.build_library("tmp_dir_probe", RUNTIME_PROGRAM.format(name="tmp_dir"))
     assert library.parent.stat().st_mode & 0o777 == 0o700
     pch = _pch_folder(tmp_path)
     assert (pch / "ok").is_file() and pch.stat().st_mode & 0o777 == 0o700

@@ -1,4 +1,4 @@
-"""The command line: show, regen, demo (CPU path), and the timeline plot."""
+"""The command line: show, demo (CPU path), and the timeline plot; the developers' regen."""
 
 import os
 import re
@@ -9,8 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from codegen.__main__ import main, regen
-from codegen.timeline import KernelEvent, plot_kernels
+from codegen.tools.cli import main
+from codegen.tools.timeline import KernelEvent, plot_kernels
+from tools.regen import main as regen_main
+from tools.regen import regen
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -44,7 +46,7 @@ def test_regen_writes_only_changed_files(tmp_path):
 
 
 def test_help_is_plain_text_and_lists_the_users_commands():
-    from codegen.__main__ import command_line
+    from codegen.tools.cli import command_line
 
     run = subprocess.run([sys.executable, "-m", "codegen", "--help"], capture_output=True,
                          text=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
@@ -58,11 +60,16 @@ def test_help_is_plain_text_and_lists_the_users_commands():
         assert f"\n    {command} " in run.stdout  # listed with its help
 
 
-def test_regen_is_a_developers_command_that_still_runs(tmp_path, capsys):
-    assert main(["regen", "--out", str(tmp_path)]) == 0
+def test_regen_is_a_developers_script_that_runs(tmp_path, capsys):
+    assert regen_main(["--out", str(tmp_path)]) == 0
     assert "wrote " in capsys.readouterr().out and (tmp_path / "llama_mlp.cpp").is_file()
-    assert main(["regen", "--out", str(tmp_path)]) == 0
+    assert regen_main(["--out", str(tmp_path)]) == 0
     assert capsys.readouterr().out == "csrc_gen is up to date\n"
+    with pytest.raises(SystemExit):  # not a command of python -m codegen
+        main(["regen", "--out", str(tmp_path)])
+    run = subprocess.run([sys.executable, "tools/regen.py", "--out", str(tmp_path)],
+                         capture_output=True, text=True, cwd=REPO, timeout=600)
+    assert run.returncode == 0 and run.stdout == "csrc_gen is up to date\n", run.stderr
 
 
 def test_demo_without_a_gpu(cache_dir):
@@ -72,10 +79,10 @@ def test_demo_without_a_gpu(cache_dir):
     assert run.returncode == 0, run.stdout + run.stderr
     if "no CUDA GPU here" in run.stdout:
         assert "evaluator on CPU, stream_matmul_n: matches torch; every access " \
-            "stream-ordered (codegen.races)" in run.stdout
+            "stream-ordered (codegen.interp.races)" in run.stdout
         assert "on meta tensors it gives [8192, 8192] torch.bfloat16" in run.stdout
     assert "HostProgram stream_matmul_n" in run.stdout
-    from codegen.builder import toolchain_problem
+    from codegen.jit import toolchain_problem
 
     problem = toolchain_problem()
     if problem is not None:  # the evaluator's checks all the same
@@ -124,7 +131,7 @@ def test_show_and_timeline_take_the_contraction_choice(capsys, monkeypatch):
         seen.update(example=example, split_contraction=split_contraction)
         return out, ""
 
-    monkeypatch.setattr("codegen.timeline.draw_timeline", draw)
+    monkeypatch.setattr("codegen.tools.timeline.draw_timeline", draw)
     assert main(["timeline", "stream_weights", "--split-contraction", "auto"]) == 0
     assert seen == {"example": "stream_weights", "split_contraction": "auto"}
     assert main(["timeline", "stream_weights", "--split-contraction"]) == 0
@@ -142,9 +149,9 @@ def test_mistakes_are_one_line_not_a_traceback(capsys, tmp_path):
         assert f"argument {flag}: expected an int >= 1" in capsys.readouterr().err
     blocked = tmp_path / "file"
     blocked.write_text("")
-    assert main(["regen", "--out", str(blocked / "sub")]) == 1
+    assert regen_main(["--out", str(blocked / "sub")]) == 1
     err = capsys.readouterr().err
-    assert err.startswith("python -m codegen regen: ") and "Traceback" not in err
+    assert err.startswith("tools/regen.py: ") and "Traceback" not in err
     if not torch.cuda.is_available():
         assert main(["timeline", "matmul_rows", "--out", str(tmp_path / "t.png")]) == 1
         assert capsys.readouterr().err == (

@@ -15,8 +15,8 @@ import codegen as cg
 from codegen import examples as ex
 from codegen import hostir as hir
 from codegen.errors import InternalError
-from codegen.evaluator import program_device
-from codegen.ir import Const, Sym
+from codegen.frontend.ir import Const, Sym
+from codegen.interp.evaluator import program_device
 
 Stream = cg.ParallelType.Stream
 
@@ -423,8 +423,8 @@ TESTS = Path(__file__).resolve().parent
 def cxx(source: Path, out: Path, *flags: str) -> Path:
     """Compiles ``source`` with the programs' flags and include path (torch, the CUDA
     toolkit, the runtime), warnings as errors; links nothing of torch's."""
-    from codegen.builder import BuildError, toolchain
-    from codegen.renderer import include_dir
+    from codegen.backend.renderer import include_dir
+    from codegen.jit import BuildError, toolchain
 
     try:
         tools = toolchain()
@@ -630,7 +630,7 @@ def test_host_programs_build(cache_dir, make):
 
 
 def test_planned_hidden_fraction():
-    from codegen.timeline import planned_hidden
+    from codegen.tools.timeline import planned_hidden
 
     # copy ~ GEMM: all but the first slice's copy hide
     assert planned_hidden({"HtoD": 800.0}, 800.0, 8, 4) == pytest.approx(7 / 8)
@@ -645,7 +645,7 @@ def test_planned_hidden_fraction():
 
 
 def test_measured_overlap_from_events():
-    from codegen.timeline import KernelEvent, measure_overlap, overlap_report
+    from codegen.tools.timeline import KernelEvent, measure_overlap, overlap_report
 
     events = [  # copy 0 alone, copy 1 under GEMM 0 (half of it), copy out 0 under GEMM 1
         KernelEvent("Memcpy HtoD (Pinned -> Device)", 7, 0.0, 100.0, "HtoD", 1000),
@@ -667,7 +667,7 @@ def test_measured_overlap_from_events():
 
 
 def test_measured_overlap_of_collectives():
-    from codegen.timeline import KernelEvent, _kernel_kind, measure_overlap, overlap_report
+    from codegen.tools.timeline import KernelEvent, _kernel_kind, measure_overlap, overlap_report
 
     assert _kernel_kind("ncclDevKernel_AllGather_RING_LL(ncclDevKernelArgsStorage<4096ul>)") \
         == "collective"
@@ -705,7 +705,7 @@ def test_collectives_are_marked_with_nvtx_ranges_named_for_their_lines():
 
 
 def test_timeline_slices_and_streams():
-    from codegen.timeline import _slices_and_streams
+    from codegen.tools.timeline import _slices_and_streams
 
     program = cg.lower(ex.stream_weights(torch.bfloat16, 8))
     assert _slices_and_streams(program, [(64, 32), (32, 100)]) == (8, 4)
@@ -745,7 +745,7 @@ STABLE_TORCH_LIBRARY_IMPL(codegen, CPU, m) { m.impl("NAME", TORCH_BOX(&NAME)); }
 
 WARN_ONCE = """
 import warnings, torch
-from codegen.builder import build_library
+from codegen.jit import build_library
 import sys
 for name in ("warn_probe_a", "warn_probe_b"):
     build_library(name, sys.argv[1].replace("NAME", name))

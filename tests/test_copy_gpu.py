@@ -371,7 +371,7 @@ def test_pinned_input_dropped_right_after_the_call_is_not_reused_under_the_copie
 
 
 def test_profiler_shows_a_host_copy_under_a_gemm():
-    from codegen.timeline import measure_overlap, profile_gpu
+    from codegen.tools.timeline import measure_overlap, profile_gpu
 
     # bf16: 64 MiB of weights, each slice's copy ~0.2 ms (2-D, ~40 GB/s) and its GEMM
     # (2.2e11 flop) ~0.2-0.3 ms: copy ~ GEMM, so most of each copy can hide.
@@ -497,7 +497,7 @@ def test_copy_stream_exact_op_and_evaluator(make, slices, pinned):
 
 
 def test_copy_stream_queues_every_copy_in_on_one_stream_under_the_gemms():
-    from codegen.timeline import profile_gpu
+    from codegen.tools.timeline import profile_gpu
 
     op = op_of(ex.stream_weights, torch.bfloat16, 8, copy_stream=True)
     x = torch.randn(32768, 4096, device=CUDA, dtype=torch.bfloat16)

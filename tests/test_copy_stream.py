@@ -2,7 +2,7 @@
 in slices go on one copy stream, in slice order, each waiting for the event its slot's
 last reader recorded, and each slice's GEMM waits for its copy; the copy stream is forked
 once and joined once, so across loops it runs ahead (hostir.hoist_staging). Structure,
-order (codegen.races), values (the evaluator, exact on the CPU) and the C++; the GPU tests
+order (codegen.interp.races), values (the evaluator, exact on the CPU) and the C++; the GPU tests
 are in test_copy_gpu.py (its graph-capture test runs with a copy stream too)."""
 
 import dataclasses
@@ -14,7 +14,7 @@ from conftest import ints
 import codegen as cg
 from codegen import examples as ex
 from codegen import hostir as hir
-from codegen import races
+from codegen.interp import races
 
 STREAM_WEIGHTS_8 = """\
 HostProgram stream_weights(T0: float32[m, k], T1: float32[k, n] device=cpu) -> (T2) [copy_stream]:

@@ -12,8 +12,11 @@ import torch
 from conftest import ints
 
 import codegen as cg
-from codegen import cost, examples, races
+from codegen import examples
 from codegen import hostir as hir
+from codegen.interp import races
+from codegen.runtime.dispatch import dispatch
+from codegen.transforms import cost
 
 # bench_copy on the H200 (benchmarks/RESULTS.md, "Split contraction, copy stream, dense
 # slices"): bf16 x [m, 8192] @ w [8192, 8192], op / floor of the column loop (copy
@@ -167,8 +170,8 @@ def test_known_extents_that_favour_rows_keep_the_columns_for_other_layouts():
         "columns (this program) where w is not row-major")
     assert comment(program) == program.choice_str()
     x, w = torch.empty(3072, 8192), torch.empty(8192, 8192, dtype=torch.bfloat16)
-    assert program.chosen({}, [x, w]) is program.alternative
-    assert program.chosen({}, [x, w.t().contiguous().t()]) is program
+    assert dispatch(program).for_inputs([x, w]) is program.alternative
+    assert dispatch(program).for_inputs([x, w.t().contiguous().t()]) is program
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
@@ -197,13 +200,13 @@ def test_symbolic_extents_leave_the_choice_to_the_call():
     assert comment(columns) == columns.choice_str()
     assert columns.choice_str().endswith(
         "w streamed by blocks of columns (this program) or of rows (its alternative), "
-        "whichever codegen.cost estimates faster for the call's extents")
+        "whichever codegen.transforms.cost estimates faster for the call's extents")
     big = {"k": 8192, "n": 8192}
-    assert program.chosen({"m": 3072, **big}) is rows
-    assert program.chosen({"m": 37632, **big}) is columns
+    assert dispatch(program).for_extents({"m": 3072, **big}) is rows
+    assert dispatch(program).for_extents({"m": 37632, **big}) is columns
     # fp32 GEMMs are an order of magnitude slower: the same extents keep their columns
     fp32 = cg.lower(weights(), split_contraction="auto")
-    assert fp32.chosen({"m": 3072, **big}) is fp32
+    assert dispatch(fp32).for_extents({"m": 3072, **big}) is fp32
 
 
 def test_no_candidate_means_no_choice():
@@ -230,8 +233,8 @@ def test_the_evaluator_runs_the_loop_picked(monkeypatch, rows, options):
     torch.manual_seed(0)
     x, w = torch.randn(8, 64).bfloat16(), torch.randn(64, 16).bfloat16()
     by_columns, by_rows = both_results(program, x, w)
-    assert program.chosen({"m": 8, "k": 64, "n": 16}) is (program.alternative if rows
-                                                           else program)
+    picked = dispatch(program).for_extents({"m": 8, "k": 64, "n": 16})
+    assert picked is (program.alternative if rows else program)
     assert torch.equal(cg.evaluate(program, [x, w])[0], by_rows if rows else by_columns)
     xi, wi = ints(7, 20, dtype=torch.bfloat16), ints(20, 11, dtype=torch.bfloat16)
     races.check(program, [xi, wi])
@@ -246,9 +249,8 @@ def test_a_host_operand_that_is_not_row_major_keeps_its_columns(monkeypatch):
     x, w = torch.randn(8, 64).bfloat16(), torch.randn(64, 16).bfloat16()
     w_cols = w.t().contiguous().t()  # the same values, column-major
     by_columns, by_rows = both_results(program, x, w)
-    env = {"m": 8, "k": 64, "n": 16}
-    assert program.chosen(env, [x, w]) is program.alternative
-    assert program.chosen(env, [x, w_cols]) is program
+    assert dispatch(program).for_inputs([x, w]) is program.alternative
+    assert dispatch(program).for_inputs([x, w_cols]) is program
     assert torch.equal(cg.evaluate(program, [x, w])[0], by_rows)
     assert torch.equal(cg.evaluate(program, [x, w_cols])[0], by_columns)
 
@@ -313,7 +315,7 @@ def test_compiled_op_builds_both_loops_and_picks_per_call(cache_dir, monkeypatch
 
 
 def test_cli_shows_both_loops():
-    from codegen.__main__ import show
+    from codegen.tools.cli import show
 
     text = show("stream_weights", "hostir", split_contraction="auto")
     assert text.count("HostProgram stream_weights(") == 2
@@ -334,7 +336,7 @@ def test_torch_compile_traces_the_loop_each_shape_picks(cache_dir):
         called.append({str(n.target) for n in gm.graph.nodes if n.op == "call_function"})
         return gm
 
-    below = op.host_ir.choice.rows_below("m", {"k": 8192, "n": 8192})
+    below = cost.choice_rows_below(op.host_ir.choice, "m", {"k": 8192, "n": 8192})
     assert 3072 < below < 37632
     f = torch.compile(lambda x, w: op(x, w), fullgraph=True, backend=backend, dynamic=True)
     w = torch.empty(8192, 8192, dtype=torch.bfloat16)

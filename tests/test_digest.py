@@ -1,4 +1,4 @@
-"""The op name hashes every field of every node (codegen.digest), not the program's dump:
+"""The op name hashes every field of every node (codegen.backend.digest), not the program's dump:
 two programs whose C++ may differ never share a name, and so never a cached library."""
 
 import dataclasses
@@ -13,11 +13,12 @@ import pytest
 import torch
 
 import codegen as cg
-from codegen import digest, distributed
+from codegen import distributed
 from codegen import examples as ex
 from codegen import hostir as hir
+from codegen.backend import digest
+from codegen.backend.renderer import op_name, program_digest
 from codegen.errors import InternalError
-from codegen.renderer import op_name, program_digest
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -64,7 +65,8 @@ def node_classes() -> set[type]:
 
 # The other classes a program holds: itself and the values in its fields and nodes'.
 VALUE_CLASSES = (hir.HostProgram, hir.TensorInfo, hir.Constraint, hir.Stream, hir.CopyStream,
-                 hir.RingStream, hir.Apply, hir.ContractionChoice, hir.StreamedMatmul)
+                 hir.RingStream, hir.Apply, hir.ContractionChoice, hir.StreamedMatmul,
+                 hir.Options)
 
 
 # ---------------------------------------------------------------------------- the defects
@@ -212,15 +214,16 @@ def test_canonical_text_of_values():
              "d": cg.ParallelType.Stream, "e": hir.Stream("i", 4), "f": ()}
     assert digest.canonical(value) == (
         '{"b": [1, 2.0, None, True], "a": ("x\\"y",), "c": torch.bfloat16, '
-        '"d": codegen.ir.ParallelType.Stream, '
+        '"d": codegen.frontend.ir.ParallelType.Stream, '
         '"e": codegen.hostir.nodes.Stream(index="i", pool=4, base=0), "f": ()}')
 
 
 def test_canonical_text_of_extents():
-    from codegen.ir import CeilDiv, Const, Sym
+    from codegen.frontend.ir import CeilDiv, Const, Sym
 
     assert digest.canonical(CeilDiv(Sym("n"), Const(4))) == \
-        'codegen.ir.CeilDiv(lhs=codegen.ir.Sym(name="n"), rhs=codegen.ir.Const(value=4))'
+        ('codegen.frontend.ir.CeilDiv(lhs=codegen.frontend.ir.Sym(name="n"), '
+         'rhs=codegen.frontend.ir.Const(value=4))')
 
 
 def test_canonical_text_tells_apart_what_str_does_not():
@@ -275,7 +278,7 @@ def test_a_value_that_contains_itself_raises():
 def test_digest_is_the_same_in_other_processes():
     """No hash randomization: other hash seeds give the same op names."""
     code = ("import codegen as cg; from codegen import examples as ex; "
-            "from codegen.renderer import op_name; "
+            "from codegen.backend.renderer import op_name; "
             "print(op_name(cg.lower(ex.allgather_matmul_2x4())), "
             "op_name(cg.lower(ex.stream_weights(slices=2), pool_size=2, copy_stream=True)))")
     here = " ".join([op_name(cg.lower(ex.allgather_matmul_2x4())),

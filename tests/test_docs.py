@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import codegen as cg
-from codegen.__main__ import command_line
+from codegen.tools.cli import command_line
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")),

@@ -124,7 +124,7 @@ def test_nan_and_inf_propagate_like_torch(ops):
 
 
 def test_slices_run_on_distinct_streams(ops):
-    from codegen.timeline import profile_kernels
+    from codegen.tools.timeline import profile_kernels
 
     a = torch.randn(2048, 2048, device=CUDA)
     b = torch.randn(2048, 2048, device=CUDA)

@@ -31,7 +31,7 @@ def test_10000_calls_leave_memory_flat(rows_op):
 
 
 def test_same_streams_every_call(rows_op):
-    from codegen.timeline import profile_kernels
+    from codegen.tools.timeline import profile_kernels
 
     a, b = torch.randn(1024, 512, device="cuda"), torch.randn(512, 256, device="cuda")
     first = {k.stream for k in profile_kernels(lambda: rows_op(a, b))}

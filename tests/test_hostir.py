@@ -10,7 +10,7 @@ from codegen import examples
 from codegen import examples as ex
 from codegen import hostir as hir
 from codegen.errors import InternalError
-from codegen.ir import Const, Sym
+from codegen.frontend.ir import Const, Sym
 
 STREAM_TEST_MATMUL = """\
 HostProgram stream_matmul_n(T0: float32[5, 7], T1: float32[7, 6]) -> (T2):

@@ -11,8 +11,9 @@ from conftest import ints
 from helpers import stream_loops
 
 import codegen as cg
-from codegen import examples, races
+from codegen import examples
 from codegen import hostir as hir
+from codegen.interp import races
 
 LLAMA_MLP = """\
 HostProgram llama_mlp(x: bfloat16[m, h], w_gate: bfloat16[inter, h], w_up: bfloat16[inter, h], \

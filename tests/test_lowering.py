@@ -7,7 +7,7 @@ from helpers import stream_loops, stream_matmul_columns, stream_matmul_rows, two
 
 import codegen as cg
 from codegen import hostir as hir
-from codegen.ir import Const
+from codegen.frontend.ir import Const
 
 
 def record_matmuls(monkeypatch):

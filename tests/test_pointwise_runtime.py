@@ -20,8 +20,8 @@ import torch
 import torch.nn.functional as F
 from test_copy import TESTS, cxx
 
-from codegen.builder import build_library
-from codegen.renderer import include_dir
+from codegen.backend.renderer import include_dir
+from codegen.jit import build_library
 
 HEADER = include_dir() / "codegen" / "pointwise.h"
 STORAGE = {"bf16": 2, "f16": 2, "float": 4, "double": 8}

@@ -9,9 +9,9 @@ import pytest
 
 import codegen as cg
 from codegen import examples as ex
-from codegen.builder import build_library
-from codegen.lowering import MAX_POOL_SIZE
-from codegen.renderer import include_dir
+from codegen.backend.renderer import include_dir
+from codegen.jit import build_library
+from codegen.transforms.lowering import MAX_POOL_SIZE
 
 
 def test_limit_is_pytorchs_stream_pool_size():

@@ -1,4 +1,4 @@
-"""The stream-order checker (codegen.races): every bundled program is ordered, at every
+"""The stream-order checker (codegen.interp.races): every bundled program is ordered, at every
 pool size, with ragged slices and more slices than streams; and each way of breaking the
 order that the passes guard against is caught and named (so the checker can fail)."""
 
@@ -8,10 +8,11 @@ import pytest
 import torch
 
 import codegen as cg
-from codegen import distributed, races
+from codegen import distributed
 from codegen import hostir as hir
 from codegen.examples import DISTRIBUTED_EXAMPLES, EXAMPLES
-from codegen.ir import Const, ParallelType
+from codegen.frontend.ir import Const, ParallelType
+from codegen.interp import races
 
 
 def zeros(example, shapes=None):

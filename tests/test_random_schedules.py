@@ -1,5 +1,5 @@
 """Random schedules and shapes through lowering and the evaluator, against torch (exact),
-and through the stream-order checker (codegen.races).
+and through the stream-order checker (codegen.interp.races).
 
 Seeded and bounded: each case draws an op, a stream axis, a chain of splits ending in a
 stream-parallel outer part, and extents (including 0 and 1), then checks the values and
@@ -16,7 +16,7 @@ from conftest import ints
 
 import codegen as cg
 from codegen import hostir as hir
-from codegen import races
+from codegen.interp import races
 
 
 def draw_case(rng: random.Random, placement: random.Random | None = None):

@@ -9,8 +9,8 @@ from conftest import ints
 from helpers import stream_loops, stream_matmul_rows, two_matmuls
 
 import codegen as cg
-from codegen import evaluator
 from codegen import hostir as hir
+from codegen.interp import evaluator
 
 S = cg.ParallelType.Stream
 
@@ -337,11 +337,11 @@ def test_stage_modules_are_not_shadowed_by_the_public_functions():
     import importlib
     import inspect
 
-    import codegen.builder as builder_module
-    import codegen.renderer as renderer_module
+    import codegen.backend.renderer as renderer_module
+    import codegen.jit.op as op_module
 
-    assert inspect.ismodule(builder_module) and inspect.ismodule(renderer_module)
-    assert cg.render is renderer_module.render and cg.build is builder_module.build
+    assert inspect.ismodule(op_module) and inspect.ismodule(renderer_module)
+    assert cg.render is renderer_module.render and cg.build is op_module.build
     assert inspect.isfunction(cg.render) and inspect.isfunction(cg.build)
-    for name in ("codegen.builder", "codegen.renderer"):
+    for name in ("codegen.jit", "codegen.jit.op", "codegen.backend.renderer"):
         assert inspect.ismodule(importlib.import_module(name))

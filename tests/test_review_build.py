@@ -3,17 +3,15 @@ a name rebuilt after a failed build, C++-hostile names (the C++ half), the libra
 under the entry's lock."""
 
 import fcntl
-import importlib
 import re
 
 import pytest
 import torch
 
 import codegen as cg
+from codegen import jit
+from codegen.backend.renderer import op_name
 from codegen.examples import matmul_rows
-from codegen.renderer import op_name
-
-build_module = importlib.import_module("codegen.builder")  # cg.build is the function
 
 
 def test_constraints_are_part_of_the_op_name():
@@ -67,18 +65,18 @@ def test_a_name_collision_in_one_process_is_an_error_not_a_stale_op(cache_dir):
     # sources: the second must not get the first one's library.
     one = '#include "codegen/runtime.h"\nint collide_one() { return 1; }\n'
     two = '#include "codegen/runtime.h"\nint collide_two() { return 2; }\n'
-    assert build_module.build_library("collide_000000000000", one).is_file()
-    assert build_module.build_library("collide_000000000000", one).is_file()  # same: fine
+    assert jit.extension.build_library("collide_000000000000", one).is_file()
+    assert jit.extension.build_library("collide_000000000000", one).is_file()  # same: fine
     with pytest.raises(cg.BuildError, match="already loaded in this process for another"):
-        build_module.build_library("collide_000000000000", two)
+        jit.extension.build_library("collide_000000000000", two)
 
 
 @pytest.mark.build
 def test_a_name_builds_after_a_failed_build_in_the_same_process(cache_dir):
     with pytest.raises(cg.BuildError):
-        build_module.build_library("retry_op", "int f() { return undefined_y; }\n")
+        jit.extension.build_library("retry_op", "int f() { return undefined_y; }\n")
     good = '#include "codegen/runtime.h"\nint retry_op_ok() { return 1; }\n'
-    assert build_module.build_library("retry_op", good).is_file()
+    assert jit.extension.build_library("retry_op", good).is_file()
 
 
 @pytest.mark.build
@@ -143,6 +141,6 @@ def test_programs_share_one_stream_pool_and_thread_lease(cache_dir):
                                                     "thread_lease" in line)})
         exported.append(unique)
     assert exported[0] == exported[1] and len(exported[0]) >= 2, exported
-    tag = build_module.toolchain().cflags
+    tag = jit.compiler.toolchain().cflags
     abi = next(f for f in tag if f.startswith("-DCODEGEN_RT_ABI="))[len("-DCODEGEN_RT_ABI="):]
     assert all(abi in name for name in exported[0]), exported[0]

@@ -8,7 +8,7 @@ from conftest import ints
 from helpers import stream_matmul_rows
 
 import codegen as cg
-from codegen import evaluator
+from codegen.interp import evaluator
 
 pytestmark = [pytest.mark.gpu, pytest.mark.build]
 

@@ -10,8 +10,10 @@ import torch.nn.functional as F
 from conftest import ints
 
 import codegen as cg
-from codegen import examples, races
+from codegen import examples
 from codegen import hostir as hir
+from codegen.frontend.ir import Const
+from codegen.interp import races
 
 RING_LINEAR = """\
 HostProgram offload_linear(x: bfloat16[m, k], w: bfloat16[n, k] device=cpu) -> (T2) [staging=ring]:
@@ -144,7 +146,7 @@ def test_ring_program_builds_and_loads(cache_dir):
 
 
 def test_the_ring_is_part_of_the_op_name():
-    from codegen.builder import op_name
+    from codegen.backend.renderer import op_name
 
     assert op_name(cg.lower(host_linear(), staging="ring")) != \
         op_name(cg.lower(host_linear(), copy_stream=True))
@@ -179,7 +181,7 @@ def _release_between_view_and_reader(program: hir.HostProgram) -> hir.HostProgra
     shard = next(n for n in body if isinstance(n, hir.ShardByStream) and n.tensor == "w")
     view = dataclasses.replace(shard, out="w_v", tensor="w_s", index="z", chunk=shard.chunk)
     gemm = body[k].renamed({"w_s": "w_v"})
-    inner = hir.ForLoop("z", cg.ir.Const(0), cg.ir.Const(1), [view, release, gemm])
+    inner = hir.ForLoop("z", Const(0), Const(1), [view, release, gemm])
     body[k] = inner
     return program.replace(body=[dataclasses.replace(n, body=body) if n is loop else n
                                  for n in program.body])

@@ -8,7 +8,7 @@ import itertools
 import pytest
 import torch
 
-from codegen.builder import build_library
+from codegen.jit import build_library
 
 pytestmark = pytest.mark.build  # every test here builds C++
 

@@ -13,8 +13,10 @@ import torch.nn.functional as F
 from conftest import ints
 
 import codegen as cg
-from codegen import autograd, examples, races
+from codegen import examples
 from codegen import hostir as hir
+from codegen.interp import races
+from codegen.runtime import autograd
 
 SIGNATURE = ("HostProgram stream_weights(T0: float32[m, k], T1: float32[k, n] device=cpu) "
              "-> (T2) [split_contraction]:")

@@ -17,7 +17,7 @@ from helpers import stream_loops
 import codegen as cg
 from codegen import distributed
 from codegen.examples import allgather_matmul, matmul_reduce_scatter
-from codegen.ir import Const
+from codegen.frontend.ir import Const
 
 DIDx, Stream = cg.ParallelType.DIDx, cg.ParallelType.Stream
 EXAMPLES = {"AllGather": allgather_matmul, "ReduceScatter": matmul_reduce_scatter}

@@ -23,9 +23,10 @@ import torch.nn.functional as F
 
 import codegen as cg
 from benchmarks.common import interleaved, parse_ints
-from codegen import autograd, examples
-from codegen.builder import build
-from codegen.lowering import lower
+from codegen import examples
+from codegen.jit import build
+from codegen.runtime import autograd
+from codegen.transforms.lowering import lower
 
 
 def llama(x: torch.Tensor, wg: torch.Tensor, wu: torch.Tensor, wd: torch.Tensor) -> torch.Tensor:

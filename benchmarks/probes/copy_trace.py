@@ -37,7 +37,7 @@ import torch
 import codegen as cg
 from benchmarks.common import POOL, PythonCopyPipeline
 from codegen import examples
-from codegen.timeline import COPIES, KernelEvent, covered, profile_gpu, union
+from codegen.tools.timeline import COPIES, KernelEvent, covered, profile_gpu, union
 
 K = N = 8192  # w [K, N] bf16: 128 MiB, as benchmarks.bench_copy streams it
 DTYPE = torch.bfloat16

@@ -23,7 +23,7 @@ import codegen as cg
 from benchmarks.common import Block, ratio_fields, run_rounds, warm_up
 from codegen import examples
 from codegen.nn import capture_graph
-from codegen.timeline import profile_gpu
+from codegen.tools.timeline import profile_gpu
 
 
 def main() -> int:

@@ -1,7 +1,7 @@
 """Tensor parallelism: device meshes, sharding analysis, and the lowering of communications.
 
 The model is nvFuser's. A fusion is defined on the *global* (unsharded) tensors; each
-tensor lives on a :class:`~codegen.ir.DeviceMesh` of D ranks, and an axis cut by
+tensor lives on a :class:`~codegen.frontend.ir.DeviceMesh` of D ranks, and an axis cut by
 ``outer_split(axis, D)`` whose outer part is parallelized on ``ParallelType.DIDx`` is
 sharded: rank r holds block r, and the op's argument (or result) on rank r is that local
 block. Where an op needs unsharded what its producer has sharded, the lowering inserts a

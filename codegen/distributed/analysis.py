@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from .. import ops, passes
 from ..errors import ScheduleError
-from ..ir import (
+from ..frontend import ops
+from ..frontend.ir import (
     DTYPE_NAMES,
     DeviceMesh,
     Fusion,
@@ -17,6 +17,7 @@ from ..ir import (
     Split,
     TensorView,
 )
+from ..frontend.schedule import splits
 from .nodes import CommunicationType, DIDx, Stream
 
 # ---------------------------------------------------------------------------- analysis
@@ -71,7 +72,7 @@ def _all_ids(tv: TensorView) -> list[IterDomain]:
 
 def _children(tv: TensorView) -> dict[int, Split]:
     """Splits of ``tv``'s schedule keyed by the id of the IterDomain they split."""
-    return {id(s.input): s for s in passes.splits(tv)}
+    return {id(s.input): s for s in splits(tv)}
 
 
 def _mesh(fusion: Fusion) -> DeviceMesh:

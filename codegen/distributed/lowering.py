@@ -6,16 +6,7 @@ from __future__ import annotations
 
 from .. import hostir as hir
 from ..errors import InternalError, ScheduleError
-from ..ir import (
-    Const,
-    Expr,
-    Fusion,
-    Mul,
-    Sym,
-    TensorView,
-    ceil_div,
-    mul_extents,
-)
+from ..frontend.ir import Const, Expr, Fusion, Mul, Sym, TensorView, ceil_div, mul_extents
 from .analysis import AxisLayout, Plan, analyze
 from .nodes import CheckDivisible, Communication, CommunicationType, Stream, Unflatten, Wait
 
@@ -239,7 +230,8 @@ def build_host_program(fusion: Fusion, pool_size: int) -> hir.HostProgram:
         body.append(hir.ForLoop("i", Const(0), Const(plan.slices), b.loop, Stream))
     body += b.post
     return hir.HostProgram(name=fusion.name, inputs=inputs, outputs=[out], body=body,
-                           constraints=_constraints(plan, local), pool_size=pool_size)
+                           constraints=_constraints(plan, local),
+                           options=hir.Options(pool_size=pool_size))
 
 
 def _constraints(plan: Plan, local: dict[tuple[str, int], Expr]) -> list[hir.Constraint]:

@@ -8,10 +8,7 @@ import dataclasses
 import enum
 
 from .. import hostir as hir
-from ..ir import (
-    Expr,
-    ParallelType,
-)
+from ..frontend.ir import Expr, ParallelType
 
 DIDx = ParallelType.DIDx
 Stream = ParallelType.Stream

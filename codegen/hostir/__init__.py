@@ -60,6 +60,7 @@ from .nodes import (  # noqa: F401
     Linear,
     Matmul,
     Node,
+    Options,
     RecordEvent,
     ReleaseRingSlot,
     RingSlot,
@@ -75,7 +76,6 @@ from .nodes import (  # noqa: F401
     TensorInfo,
     WaitEvent,
     node_class,
-    row_major_matrix,
     verify,
 )
 from .staging import (  # noqa: F401

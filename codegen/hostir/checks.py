@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..ir import Const, Expr
+from ..frontend.ir import Const, Expr
 from .nodes import HostProgram
 
 # ---------------------------------------------------------------------------- input checks

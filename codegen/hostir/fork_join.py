@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..ir import Const, ParallelType
+from ..frontend.ir import Const, ParallelType
 from .nodes import (
     MAIN_STREAM,
     Allocate,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from .. import ops
+from ..frontend import ops
 from .cleanup import view_roots
 from .nodes import (
     Allocate,

@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import dataclasses
 import textwrap
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping
 from typing import Any, ClassVar
 
 import torch
 
-from .. import cost, ops
 from ..errors import InternalError
-from ..ir import DEVICES, DTYPE_NAMES, Expr, ParallelType, Sym
+from ..frontend import ops
+from ..frontend.ir import DEVICES, DTYPE_NAMES, Expr, ParallelType
 
 MAIN_STREAM = "main_stream"
 
@@ -365,7 +365,7 @@ class Compute(Node):
 
 def node_class(defn: ops.OpDef) -> type[Compute]:
     """The Compute subclass of nodes whose root op is ``defn``, named as it prints."""
-    doc = f"``out`` = {defn.node}(...) (see Compute and codegen.ops.{defn.name.upper()})."
+    doc = f"``out`` = {defn.node}(...) (see Compute and codegen.frontend.ops.{defn.name.upper()})."
     return type(defn.node, (Compute,), {"defn": defn, "__doc__": doc, "__module__": __name__})
 
 
@@ -590,58 +590,40 @@ class StreamedMatmul:
     def extents(self) -> tuple[Expr, ...]:
         return (self.m, self.k, self.n, self.slices, self.column_block)
 
-    def cost(self, env: Mapping[str, int]) -> cost.StreamedMatmulCost:
-        m, k, n, slices, column_block = (e.evaluate(env) for e in self.extents())
-        return cost.streamed_matmul(m, k, n, slices, column_block, self.dtype, self.out_dtype)
-
     def __str__(self) -> str:
         return (f"{self.out} = {self.a}[{self.m}, {self.k}] @ {self.host}[{self.k}, {self.n}] "
                 f"in {self.slices} slices")
 
 
-def row_major_matrix(x: torch.Tensor) -> bool:
-    """Whether a block of ``x``'s rows is one dense run of memory per row (a 2-D matrix
-    whose last axis is contiguous)."""
-    return x.dim() != 2 or x.stride(1) == 1 or x.size(1) <= 1
-
-
 @dataclasses.dataclass(frozen=True)
 class ContractionChoice:
-    """How a program lowered with ``split_contraction="auto"`` picks between streaming
-    its host operands by blocks of columns and by blocks of rows: ``codegen.cost``'s
-    estimates of both loops for the call's extents."""
+    """What a program lowered with ``split_contraction="auto"`` weighs between streaming
+    its host operands by blocks of columns and by blocks of rows: the loops that could
+    change, and, where every extent they weigh is a constant, ``codegen.transforms.cost``'s
+    estimates of both (``estimate``, as printed). The choice itself is made by the cost
+    model, at lowering or per call (``codegen.dispatch``); the host IR only records it."""
 
     matmuls: tuple[StreamedMatmul, ...]
-
-    def rows(self, env: Mapping[str, int], row_major: Mapping[str, bool] | None = None) -> bool:
-        """Whether blocks of rows are estimated faster for the extents ``env``; never
-        where a host operand is not row-major (``row_major``, by name; all are where it
-        is None): its column blocks are dense copies already."""
-        if row_major is not None and not all(row_major.get(mm.host, True)
-                                             for mm in self.matmuls):
-            return False
-        return cost.prefer_rows([mm.cost(env) for mm in self.matmuls])
-
-    def rows_below(self, m: str, env: Mapping[str, int],
-                   row_major: Mapping[str, bool] | None = None) -> int | None:
-        """The least value of the extent ``m`` from which blocks of columns are chosen,
-        the other extents being ``env``: rows exactly below it. None where ``m`` is not
-        every matmul's row count."""
-        if any(mm.m != Sym(m) for mm in self.matmuls):
-            return None
-        return cost.rows_below(lambda v: self.rows({**env, m: v}, row_major))
+    estimate: str = ""  # "columns 6.73 ms, rows 8.63 ms estimated" where known()
 
     def known(self) -> bool:
         """Whether every extent the choice weighs is a constant."""
         return not any(list(e.symbols()) for mm in self.matmuls for e in mm.extents())
 
-    def estimate_str(self, env: Mapping[str, int]) -> str:
-        costs = [mm.cost(env) for mm in self.matmuls]
-        columns, rows = sum(c.columns_ms for c in costs), sum(c.rows_ms for c in costs)
-        return f"columns {columns:.2f} ms, rows {rows:.2f} ms estimated"
-
     def __str__(self) -> str:
         return "; ".join(map(str, self.matmuls))
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """How a program was lowered, as one value (``lower``'s options, validated there)."""
+
+    pool_size: int = 4
+    gemm_sm_count: int = 0  # SMs each GEMM may use (cuBLASLt's SM_COUNT_TARGET); 0 = all
+    gemm_library: str = "cublaslt"  # one of GEMM_LIBRARIES
+    copy_stream: bool = False  # host-to-device copies on one stream (queue_copies_in)
+    staging: str = "slots"  # one of STAGINGS: where streamed host slices land on the GPU
+    split_contraction: bool = False  # column blocks of host operands streamed as row blocks
 
 
 @dataclasses.dataclass(eq=False)
@@ -651,22 +633,43 @@ class HostProgram:
     outputs: list[str]
     body: list[Node]
     constraints: list[Constraint] = dataclasses.field(default_factory=list)
-    pool_size: int = 4
-    gemm_sm_count: int = 0  # SMs each GEMM may use (cuBLASLt's SM_COUNT_TARGET); 0 = all
-    gemm_library: str = "cublaslt"  # one of GEMM_LIBRARIES
-    copy_stream: bool = False  # host-to-device copies on one stream (queue_copies_in)
-    staging: str = "slots"  # one of STAGINGS: where streamed host slices land on the GPU
-    split_contraction: bool = False  # column blocks of host operands streamed as row blocks
+    options: Options = dataclasses.field(default_factory=Options)
     # split_contraction="auto": what the choice weighs, and the program that streams by rows
     # where the choice is left to the call (this one streams by columns); where the lowering
     # knew every extent, the choice it made, and no alternative.
     choice: ContractionChoice | None = None
     alternative: HostProgram | None = None
-    # The user's fusion this program was lowered from, for its backward (codegen.autograd);
+    # The user's fusion this program was lowered from, for its backward (codegen.runtime.autograd);
     # None for a program with no backward (a backward itself). Not part of the program:
     # its nodes say everything it runs, so the digest and equality leave it out.
     source: Any = dataclasses.field(default=None, compare=False, repr=False,
                                     metadata={"digest": False})
+
+    # The options, read as the program's own (``program.pool_size``); set through
+    # ``options``.
+    @property
+    def pool_size(self) -> int:
+        return self.options.pool_size
+
+    @property
+    def gemm_sm_count(self) -> int:
+        return self.options.gemm_sm_count
+
+    @property
+    def gemm_library(self) -> str:
+        return self.options.gemm_library
+
+    @property
+    def copy_stream(self) -> bool:
+        return self.options.copy_stream
+
+    @property
+    def staging(self) -> str:
+        return self.options.staging
+
+    @property
+    def split_contraction(self) -> bool:
+        return self.options.split_contraction
 
     def nodes(self) -> Iterator[Node]:
         """Every node in program order, loop bodies included (pre-order)."""
@@ -680,16 +683,6 @@ class HostProgram:
 
     def replace(self, **changes: object) -> HostProgram:
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
-
-    def chosen(self, env: Mapping[str, int],
-               inputs: Sequence[torch.Tensor] | None = None) -> HostProgram:
-        """The program that runs for the extents ``env`` (and the layouts of ``inputs``,
-        where given): this one, or its alternative where its choice picks blocks of rows."""
-        if self.alternative is None or self.choice is None:
-            return self
-        row_major = None if inputs is None else {
-            t.name: row_major_matrix(x) for t, x in zip(self.inputs, inputs) if t.device == "cpu"}
-        return self.alternative if self.choice.rows(env, row_major) else self
 
     def allocations(self) -> dict[str, TensorInfo]:
         return {n.out.name: n.out for n in self.nodes() if isinstance(n, Allocate)}
@@ -735,15 +728,15 @@ class HostProgram:
         hosts = ", ".join(dict.fromkeys(mm.host for mm in self.choice.matmuls))
         if self.alternative is not None and self.choice.known():
             how = (f"{hosts} streamed by blocks of rows (its alternative; "
-                   f"{self.choice.estimate_str({})}), or of columns (this program) where "
+                   f"{self.choice.estimate}), or of columns (this program) where "
                    f"{hosts} is not row-major")
         elif self.alternative is not None:
             how = (f"{hosts} streamed by blocks of columns (this program) or of rows (its "
-                   f"alternative), whichever codegen.cost estimates faster for the call's "
-                   f"extents")
+                   f"alternative), whichever codegen.transforms.cost estimates faster for the "
+                   f"call's extents")
         else:
             made = "rows" if self.split_contraction else "columns"
-            how = f"{hosts} streamed by blocks of {made}: {self.choice.estimate_str({})}"
+            how = f"{hosts} streamed by blocks of {made}: {self.choice.estimate}"
         return f"split_contraction=auto: {self.choice}; {how}"
 
 

@@ -8,7 +8,7 @@ import dataclasses
 from collections.abc import Mapping
 
 from ..errors import InternalError
-from ..ir import Const, ParallelType
+from ..frontend.ir import Const, ParallelType
 from .nodes import (
     MAIN_STREAM,
     Allocate,

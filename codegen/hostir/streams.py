@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
-from ..ir import Const, Expr, ParallelType, minimum
+from ..frontend.ir import Const, Expr, ParallelType, minimum
 from .nodes import (
     Compute,
     Copy,

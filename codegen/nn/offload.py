@@ -29,9 +29,9 @@ first spans included, so replays stream back to back.
 Calls that need gradients run one compiled host program per Linear dtype instead,
 ``linear(x, w, bias)`` with ``w`` in host memory, whose row blocks (``slices`` of them)
 are copied into the thread's staging ring (``lower(..., staging="ring")``,
-codegen/include/codegen/ring.h) under the GEMMs of the slices before them.
+codegen/backend/include/codegen/ring.h) under the GEMMs of the slices before them.
 
-Backward: the compiled programs have one (``codegen.autograd``), so an offloaded model
+Backward: the compiled programs have one (``codegen.runtime.autograd``), so an offloaded model
 trains; a host weight gets its gradient in host memory.
 
 Each Parameter stays the same object (its data moves into the arena: an optimizer made
@@ -60,11 +60,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import examples, ir
-from ..builder import CompiledOp, compile
 from ..errors import NoGPUError, ScheduleError
-from ..evaluator import evaluate
-from ..lowering import check_pool_size, lower
+from ..frontend import ir
+from ..interp.evaluator import evaluate
+from ..jit import CompiledOp, compile
+from ..transforms.lowering import check_pool_size, lower
+from . import program
 from .plan import (
     ALIGN,
     Layout,
@@ -264,7 +265,7 @@ class _State:
 
     def fusion(self, dtype: torch.dtype, bias: bool) -> ir.Fusion:
         name = f"offload_linear_{ir.DTYPE_NAMES[dtype]}{'_bias' if bias else ''}_s{self.slices}"
-        return examples.offload_linear(dtype, self.slices, bias, name=name)
+        return program.offload_linear(dtype, self.slices, bias, name=name)
 
     def run(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
         key = (w.dtype, b is not None)

@@ -30,7 +30,7 @@ import re
 
 import torch
 
-from ..cost import COPY_BYTES_PER_MS, GEMM_FLOPS_PER_MS, HBM_BYTES_PER_MS
+from ..transforms.cost import COPY_BYTES_PER_MS, GEMM_FLOPS_PER_MS, HBM_BYTES_PER_MS
 from . import quantize
 
 ALIGN = 256  # bytes: where each tensor of the arena starts, and each span in the ring

@@ -55,9 +55,10 @@ from collections.abc import Sequence
 
 import torch
 
-from . import distributed
-from . import hostir as hir
-from .errors import InternalError
+from .. import distributed
+from .. import hostir as hir
+from ..errors import InternalError
+from ..runtime.dispatch import chosen
 from .evaluator import CALLER, Interpreter, Streams, check_inputs
 
 HOST = "host"  # the key of the host thread's clock
@@ -352,7 +353,7 @@ def find_races(program: hir.HostProgram, inputs: Sequence[torch.Tensor]) -> list
     if not isinstance(program, hir.HostProgram):
         raise TypeError(f"find_races expects a cg.HostProgram, got {type(program).__name__}")
     env = check_inputs(program, inputs)
-    program = program.chosen(env, inputs)  # split_contraction="auto": the loop these run
+    program = chosen(program, inputs)  # split_contraction="auto": the loop these run
     checker = _Checker(program, env)
     for info, x in zip(program.inputs, inputs):
         key = HOST if info.device == "cpu" else CALLER

@@ -1,7 +1,11 @@
-"""The pass driver: Fusion -> HostProgram.
+"""The pass driver: Fusion -> HostProgram, through three pass lists.
 
-``CODEGEN_DUMP=ir,hostir`` prints the fusion after each fusion pass and the host program
-after each host-IR pass (to stderr). ``verify`` runs after every host-IR pass.
+``passes.FUSION_PASSES`` (Fusion -> Fusion: the schedule validated, propagated and
+normalized), ``passes.LOWERING_PASSES`` (a ``passes.Lowering`` state, each pass adding
+one thing: the loops, the contraction choice, the allocation plan, the host program) and
+``hostir.HOSTIR_PASSES`` (HostProgram -> HostProgram). ``CODEGEN_DUMP=ir,hostir`` prints
+the fusion after each fusion pass and the host program after each host-IR pass (to
+stderr). ``verify`` runs after every host-IR pass.
 """
 
 from __future__ import annotations
@@ -9,10 +13,11 @@ from __future__ import annotations
 import os
 import sys
 
-from . import distributed, passes
-from . import hostir as hir
-from .errors import ScheduleError
-from .ir import Fusion
+from .. import distributed
+from .. import hostir as hir
+from ..errors import ScheduleError
+from ..frontend.ir import Fusion
+from . import cost, passes
 
 # The most worker streams a program may use (``lower``'s pool_size), as many as PyTorch's
 # own pool has per priority. Each thread that calls an op leases worker streams, each with
@@ -21,7 +26,7 @@ from .ir import Fusion
 # thread reuses it. The copy stream is the lease's stream after the pool's, and a loop
 # whose copies run ahead uses a second set of pool_size workers after them, so a lease
 # holds at most 2 * MAX_POOL_SIZE streams. The runtime enforces the same bound
-# (``kMaxWorkers`` in codegen/include/codegen/stream.h; a test keeps the two equal).
+# (``kMaxWorkers`` in codegen/backend/include/codegen/stream.h; a test keeps the two equal).
 MAX_POOL_SIZE = 32
 
 
@@ -63,7 +68,7 @@ def lower(fusion: Fusion, *, pool_size: int = 4, gemm_sm_count: int = 0,
     matmul reads by column blocks (strided 2-D copies) by blocks of rows instead, the
     loop splitting the contraction and each slice accumulating onto the output
     (``passes.split_contractions``); ``split_contraction="auto"`` streams by whichever
-    blocks ``codegen.cost`` estimates faster: chosen here where every extent is known,
+    blocks ``codegen.transforms.cost`` estimates faster: chosen here where every extent is known,
     else by the call, from its extents, between this program (columns) and its
     ``alternative`` (rows), both printed."""
     if not isinstance(fusion, Fusion):
@@ -102,16 +107,16 @@ def lower(fusion: Fusion, *, pool_size: int = 4, gemm_sm_count: int = 0,
             work = fusion_pass(work)
             if "ir" in dump:
                 _dump(f"ir after {fusion_pass.__name__}", str(work))
-        segments = passes.segment(work)
-        if split_contraction == "auto":  # this program streams by columns (see below)
-            choice, split_contraction = passes.contraction_choice(work, segments), False
-        if split_contraction:
-            segments = passes.split_contractions(work, segments)
-        plan = passes.plan_allocations(work, segments)
-        program = hir.verify(passes.build_host_program(work, segments, plan, pool_size))
-    program = program.replace(gemm_sm_count=gemm_sm_count, gemm_library=gemm_library,
-                              copy_stream=copy_stream, staging=staging,
-                              split_contraction=split_contraction,
+        state = passes.Lowering(work, pool_size, split_contraction)
+        for lowering_pass in passes.LOWERING_PASSES:
+            state = lowering_pass(state)
+        assert state.program is not None and not isinstance(state.split_contraction, str)
+        program, choice, split_contraction = state.program, state.choice, \
+            state.split_contraction
+    options = hir.Options(pool_size=pool_size, gemm_sm_count=gemm_sm_count,
+                          gemm_library=gemm_library, copy_stream=copy_stream, staging=staging,
+                          split_contraction=split_contraction)
+    program = program.replace(options=options,
                               source=None if distributed.is_distributed(work) else fusion.clone())
     if "hostir" in dump:
         _dump("hostir after build_host_program", str(program))
@@ -125,7 +130,7 @@ def lower(fusion: Fusion, *, pool_size: int = 4, gemm_sm_count: int = 0,
     # the call to pick (by its extents and the host operands' layouts); where every extent
     # is known and the columns are estimated faster, the column loop alone (a host operand
     # that is not row-major keeps its columns too).
-    if choice.known() and not choice.rows({}):
+    if choice.known() and not cost.prefers_rows(choice, {}):
         return program.replace(choice=choice)
     rows = lower(fusion, pool_size=pool_size, gemm_sm_count=gemm_sm_count,
                  gemm_library=gemm_library, copy_stream=copy_stream, staging=staging,

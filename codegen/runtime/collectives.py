@@ -1,4 +1,5 @@
-"""The Python half of the C++ runtime's collectives (``codegen/include/codegen/collective.h``).
+"""The Python half of the C++ runtime's collectives
+(``codegen/backend/include/codegen/collective.h``).
 
 A generated program posts each slice's all-gather or reduce-scatter through the
 dispatcher op ``codegen::collective``, registered here over torch's functional

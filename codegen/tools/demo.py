@@ -3,7 +3,7 @@
 Define a stream-parallel matmul, lower it and print the host IR, render and build the
 C++ op; on a GPU run it at a realistic size, check it against torch and time it beside one
 ``torch.matmul``. Without a GPU, check the evaluator on the CPU and load the op. Where C++
-cannot be built here (``codegen.builder.toolchain_problem``), say why and check the
+cannot be built here (``codegen.jit.toolchain_problem``), say why and check the
 evaluator all the same. Returns a non-zero exit status on any mismatch.
 """
 
@@ -13,10 +13,11 @@ import time
 
 import torch
 
-from . import examples, races
-from .builder import cache_root, compile, prepare, toolchain_problem
-from .evaluator import evaluate
-from .lowering import lower
+from ..interp import races
+from ..interp.evaluator import evaluate
+from ..jit import cache_root, compile, prepare, toolchain_problem
+from ..transforms.lowering import lower
+from . import examples
 
 
 def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -90,7 +91,7 @@ def run_demo(size: int = 8192, slices: int = 4) -> int:
         unordered = races.find_races(program, xs)
         print(f"evaluator on CPU, {program.name}: {'matches' if good else 'MISMATCHES'} torch; "
               + (f"{len(unordered)} UNORDERED accesses: {unordered[0]}" if unordered else
-                 "every access stream-ordered (codegen.races)"))
+                 "every access stream-ordered (codegen.interp.races)"))
         ok &= good and not unordered
     for program, ref, shapes in (
             (mlp_program, _llama_mlp, ((12, 16), (22, 16), (22, 16), (16, 22))),
@@ -102,7 +103,7 @@ def run_demo(size: int = 8192, slices: int = 4) -> int:
         unordered = races.find_races(program, xs)
         print(f"evaluator on CPU, {program.name}: relative error {err:.1e} against torch; "
               + (f"{len(unordered)} UNORDERED accesses: {unordered[0]}" if unordered else
-                 "every access stream-ordered (codegen.races)"))
+                 "every access stream-ordered (codegen.interp.races)"))
         ok &= err < 1e-5 and not unordered
 
     if problem is not None:

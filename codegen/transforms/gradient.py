@@ -9,33 +9,27 @@
 - the **backward**: inputs are the forward values it reads (the forward's inputs, then the
   saved intermediates) and the gradients of the forward's outputs (``grad_<output>``);
   outputs are the gradients of the wanted inputs, in host memory for an input declared in
-  host memory. Each op contributes its ``OpDef.vjp`` (codegen.ops); gradients of a value
+  host memory. Each op contributes its ``OpDef.vjp`` (codegen.frontend.ops); gradients of a value
   read twice are added. The split follows the forward: a gradient (or a recomputed value)
   is split like the forward tensor it belongs to, and the usual propagation spreads that
   to the rest, so ``x @ w`` split by output columns gives ``dW`` split by columns
   (``x.T @ dY_i``, per slice) and ``dX = dY @ w.T`` contracts the split axis whole, after
   the loop.
 
-``Function`` ties them to autograd (a ``torch.autograd.Function`` over the two programs,
-compiled or evaluated); ``register`` gives a compiled op its autograd kernel, so
-``op(x, w).sum().backward()``, ``torch.ops.codegen.<op>``, ``torch.compile`` and
-``torch.library.opcheck`` all see the backward.
+The autograd bridge (``codegen.runtime.autograd``) runs them.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import threading
-import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import torch
-
-from . import hostir as hir
-from . import ir, ops, passes
-from .errors import InternalError, ScheduleError
-from .ir import Const, Fusion, Sym, TensorView
+from ..errors import InternalError, ScheduleError
+from ..frontend import grad_ops, ir, ops
+from ..frontend.ir import Const, Fusion, Sym, TensorView
+from ..frontend.schedule import StreamSplit, replay_stream_split, stream_split
+from .lowering import schedule
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,8 +82,6 @@ def derive(fusion: Fusion, wanted: Sequence[bool]) -> Gradient:
     """The saving forward and the backward of ``fusion`` (the user's, as scheduled) for
     the inputs ``wanted`` (one bool per input). Raises ScheduleError where an op on the
     way has no backward, naming it."""
-    from .lowering import schedule
-
     work = schedule(fusion)  # the propagated splits: the backward follows them
     if len(wanted) != len(work.inputs):
         raise InternalError(f"{fusion.name}: {len(wanted)} flags for {len(work.inputs)} inputs")
@@ -97,7 +89,7 @@ def derive(fusion: Fusion, wanted: Sequence[bool]) -> Gradient:
         if w and not t.dtype.is_floating_point:
             raise ScheduleError(f"{fusion.name}: input {t.name} is {t.dtype}: no gradient")
     needs = _needs(work, wanted)
-    split_of: dict[int, passes.StreamSplit] = {}  # backward tensor id -> forward's split
+    split_of: dict[int, StreamSplit] = {}  # backward tensor id -> forward's split
     primal: dict[int, TensorView] = {}  # forward tensor id -> its value in the backward
     saved: list[TensorView] = []  # forward intermediates the backward reads
 
@@ -120,7 +112,7 @@ def derive(fusion: Fusion, wanted: Sequence[bool]) -> Gradient:
         return v
 
     def _follow(v: TensorView, t: TensorView) -> None:
-        if (split := passes.stream_split(t)) is not None:
+        if (split := stream_split(t)) is not None:
             split_of[id(v)] = split
 
     grads: dict[int, TensorView] = {}
@@ -139,7 +131,7 @@ def derive(fusion: Fusion, wanted: Sequence[bool]) -> Gradient:
                 raise ScheduleError(f"{fusion.name}: {op.defn.name} ({op.out.name}) has no "
                                     "backward")
             lazy = _Lazy(op.args, value)
-            for name, g in op.defn.vjp(dy, lazy, dict(op.attrs), ir).items():
+            for name, g in op.defn.vjp(dy, lazy, dict(op.attrs), grad_ops.BUILDER).items():
                 t = op.args.get(name)
                 if t is None or id(t) not in needs:
                     continue
@@ -177,7 +169,7 @@ def derive(fusion: Fusion, wanted: Sequence[bool]) -> Gradient:
     for v in bwd.tensors:
         split = split_of.get(id(v))
         if split is not None and v.definition is not None and v.stream_id() is None:
-            passes.replay_stream_split(v, split.axis, split)
+            replay_stream_split(v, split.axis, split)
     _prune(bwd)
     _loops_first(bwd)
     # The backward's inputs, in order: forward inputs it reads, saved results, gradients.
@@ -244,8 +236,6 @@ def _loops_first(fusion: Fusion) -> None:
     their inputs allow, then the unsplit ones that read a host input (the input gradient
     of a host weight, which joins the loop before it and streams that weight: see
     ``passes.segment``), the relative order kept otherwise."""
-    from .lowering import schedule
-
     split = {op.out.name for op in schedule(fusion).ops if op.out.stream_id() is not None}
     host = {id(t) for t in fusion.inputs if t.device == "cpu"}
     done = {id(t) for t in fusion.inputs}
@@ -277,172 +267,3 @@ def _saving_forward(fusion: Fusion, saved: list[str]) -> tuple[Fusion | None,
         for name in extra:
             ir.output(by_name[name])
     return work, positions
-
-
-# ---------------------------------------------------------------------------- run
-
-
-class Runner:
-    """The programs of one differentiable program, made on first use per set of wanted
-    inputs: lowered with the forward's options, then built (``compiled``) or run by the
-    evaluator.
-
-    It keeps what it needs of the program (its name, source fusion and lowering
-    options), not the program itself, so that the evaluator's cache of runners
-    (``evaluator_runner``) does not keep the programs it is keyed by alive."""
-
-    def __init__(self, program: hir.HostProgram, compiled: bool) -> None:
-        if program.source is None:
-            raise InternalError(f"{program.name}: no source fusion to differentiate")
-        self.name = program.name
-        self.source: Fusion = program.source
-        # the forward's lowering options: the derived programs run the loops it runs
-        self.options: dict[str, Any] = dict(
-            pool_size=program.pool_size, gemm_sm_count=program.gemm_sm_count,
-            copy_stream=program.copy_stream, staging=program.staging,
-            split_contraction=program.split_contraction)
-        self.gemm_library = program.gemm_library
-        self.backward_gemm_library = backward_gemm_library(program)
-        self.compiled = compiled
-        self.n_outputs = len(program.outputs)
-        self._plans: dict[tuple[bool, ...], tuple[Gradient, Any, Any]] = {}
-        self._lock = threading.Lock()
-
-    def plan(self, wanted: tuple[bool, ...]) -> tuple[Gradient, Any, Any]:
-        """The gradient and its (saving forward, backward) runnables for ``wanted``."""
-        with self._lock:
-            if wanted not in self._plans:
-                g = derive(self.source, wanted)
-                self._plans[wanted] = (g, self._runnable(g.forward, keep=True),
-                                       self._runnable(g.backward, keep=False))
-            return self._plans[wanted]
-
-    def _runnable(self, fusion: Fusion | None, keep: bool) -> Any:
-        from .builder import build
-        from .evaluator import evaluate
-        from .lowering import lower
-
-        if fusion is None:
-            return None
-        program = lower(fusion, **self.options,
-                        gemm_library=self.gemm_library if keep else self.backward_gemm_library)
-        if not keep:
-            program = program.replace(source=None)  # no backward of a backward
-        if self.compiled:
-            op = build(program)
-            return lambda *args: _as_list(op._overload(*args))
-        return lambda *args: evaluate(program, list(args))
-
-
-def backward_gemm_library(program: hir.HostProgram) -> str:
-    """The GEMM library of ``program``'s backward: cublasGemmEx, the call torch's own
-    backward makes, unless an SM budget (which only cuBLASLt has) was asked for. The
-    backward's GEMMs have no epilogue (a bias gradient is a row sum, an activation's
-    gradient a kernel), and on the H200 cuBLASLt's choice for their slices ran the
-    GPU-resident ``llama_mlp`` step 1-2% slower than cublasGemmEx's
-    (``benchmarks/results/backward_streams.txt``)."""
-    return program.gemm_library if program.gemm_sm_count else "cublas"
-
-
-def _as_list(result: Any) -> list[torch.Tensor]:
-    return list(result) if isinstance(result, (tuple, list)) else [result]
-
-
-class Function(torch.autograd.Function):
-    """``Function.apply(runner, forward, *inputs)``: the program's outputs, with a
-    backward through its derived programs. ``forward`` runs the program itself below
-    autograd (the compiled op's overload, or the evaluator)."""
-
-    @staticmethod
-    def forward(ctx: Any, runner: Runner, run_forward: Callable[..., Any],
-                *inputs: torch.Tensor) -> Any:
-        wanted = tuple(bool(x) for x in ctx.needs_input_grad[2:])
-        ctx.runner, ctx.wanted, ctx.error = runner, wanted, None
-        try:
-            gradient, saving, _ = runner.plan(wanted)
-        except ScheduleError as e:  # forward runs; backward, if it is ever asked for, fails
-            ctx.error = e
-            outs = _as_list(run_forward(*inputs))
-            return tuple(outs) if len(outs) > 1 else outs[0]
-        outs = _as_list(saving(*inputs) if saving is not None else run_forward(*inputs))
-        n = runner.n_outputs
-        ctx.shapes = [(x.shape, x.dtype, x.device) for x in inputs]
-        ctx.save_for_backward(*[inputs[k] for k in gradient.saved_inputs],
-                              *[outs[k] for k in gradient.saved_outputs])
-        result = tuple(outs[:n])
-        return result if n > 1 else result[0]
-
-    @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor) -> Any:
-        if ctx.error is not None:
-            raise ScheduleError(f"{ctx.runner.name}: no backward: {ctx.error}")
-        if torch.is_grad_enabled() and any(
-                t.requires_grad for t in (*ctx.saved_tensors, *grads) if t is not None):
-            # create_graph=True: the gradients would be constants of the graph built on them
-            raise ScheduleError(f"{ctx.runner.name}: no double backward: the "
-                                "gradient programs have no backward of their own, and "
-                                "backward(create_graph=True) or torch.autograd.grad(..., "
-                                "create_graph=True) through this op needs one")
-        gradient, _, backward = ctx.runner.plan(ctx.wanted)
-        grads = tuple(g.contiguous() for g in grads)  # sum().backward() gives expanded ones
-        outs = _as_list(backward(*ctx.saved_tensors, *grads)) if backward is not None else []
-        result: list[torch.Tensor | None] = [None, None]
-        for where, (shape, dtype, device) in zip(gradient.grads, ctx.shapes):
-            if where is None:
-                result.append(None)
-            elif where[0] == "output":
-                result.append(outs[where[1]])
-            elif where[0] == "grad":
-                result.append(grads[where[1]])
-            else:
-                result.append(torch.zeros(shape, dtype=dtype, device=device))
-        return tuple(result)
-
-
-def requires_grad(inputs: Sequence[object]) -> bool:
-    """Whether autograd records a call on ``inputs`` (grad mode on, an input requires
-    grad)."""
-    return torch.is_grad_enabled() and any(
-        isinstance(x, torch.Tensor) and x.requires_grad for x in inputs)
-
-
-def register(program: hir.HostProgram, qualname: str, overload: Any,
-             library: torch.library.Library) -> None:
-    """Gives the compiled op ``qualname`` (its ``overload``) an autograd kernel: calls
-    that record go through ``Function``; the others run the op below autograd."""
-    runner = Runner(program, compiled=True)
-
-    def run_forward(*args: torch.Tensor) -> Any:
-        with torch._C._AutoDispatchBelowAutograd():
-            return overload(*args)
-
-    def kernel(*args: Any) -> Any:
-        if requires_grad(args):
-            return Function.apply(runner, run_forward, *args)
-        return run_forward(*args)
-
-    library.impl(qualname.split("::")[1], kernel, "Autograd")
-
-
-# The evaluator's runners, by the id of the program each belongs to; an entry goes when its
-# program is collected (a weakref.finalize), before the id can be reused.
-_evaluator_runners: dict[int, Runner] = {}
-_evaluator_runners_lock = threading.Lock()
-
-
-def evaluator_runner(program: hir.HostProgram) -> Runner:
-    """The runner of ``program`` for the evaluator, made on its first call that records:
-    the backward is derived and lowered once per program (and set of wanted inputs), not
-    on every call (a model's Linears call one program again and again)."""
-    with _evaluator_runners_lock:
-        runner = _evaluator_runners.get(id(program))
-        if runner is None:
-            runner = _evaluator_runners[id(program)] = Runner(program, compiled=False)
-            weakref.finalize(program, _evaluator_runners.pop, id(program), None)
-        return runner
-
-
-def evaluate(program: hir.HostProgram, inputs: Sequence[torch.Tensor],
-             run: Callable[[], list[torch.Tensor]]) -> list[torch.Tensor]:
-    """The evaluator's outputs for ``inputs``, with a backward where autograd records."""
-    return _as_list(Function.apply(evaluator_runner(program), lambda *args: run(), *inputs))

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import torch
 
-from .errors import NoGPUError
-from .ir import Const
+from ..errors import NoGPUError
+from ..frontend.ir import Const
 
 
 @dataclasses.dataclass(frozen=True)
@@ -198,7 +198,7 @@ def overlap_report(events: list[KernelEvent], slices: int, streams: int) -> str:
                         if any(k in o.copies for k in kinds))
     lines.append(f"  {what} time hidden under GEMMs: measured {100 * o.measured:.1f} %, "
                  f"planned {100 * planned:.1f} % ({slices} slices on {streams} streams; "
-                 "see codegen.timeline.planned_hidden)")
+                 "see codegen.tools.timeline.planned_hidden)")
     return "\n".join(lines)
 
 
@@ -238,7 +238,7 @@ def draw_timeline(example: str, out: Path, size: int = 4096, copy_stream: bool =
     ``lower``), runs it at ``size`` on the GPU under the profiler and draws its kernels and
     copies per stream into ``out`` (PNG). Returns the path and, for a program with host
     copies, the overlap report (else "")."""
-    from .builder import compile
+    from ..jit import compile
     from .examples import example as get_example
 
     if not torch.cuda.is_available():
@@ -274,8 +274,8 @@ def draw_timeline(example: str, out: Path, size: int = 4096, copy_stream: bool =
 def _slices_and_streams(program: object, shapes: list[tuple[int, ...]]) -> tuple[int, int]:
     """Trip count of the (first) stream loop at these input shapes, and the number of
     worker streams it uses."""
-    from . import hostir as hir
-    from .ir import ParallelType
+    from .. import hostir as hir
+    from ..frontend.ir import ParallelType
 
     assert isinstance(program, hir.HostProgram)
     index = {t.name: k for k, t in enumerate(program.inputs)}

@@ -20,8 +20,8 @@ from collections.abc import Iterator, Mapping, Sequence
 
 import torch
 
+from ..errors import ScheduleError
 from . import ops as ops_
-from .errors import ScheduleError
 from .ops import DTYPE_NAMES, AxisGroup, OpDef
 
 # ---------------------------------------------------------------------------- extents
@@ -379,7 +379,7 @@ class TensorView:
 @dataclasses.dataclass(eq=False)
 class Op:
     """``out = defn(args, attrs)``: one op of the fusion, of the kind ``defn`` (see
-    codegen.ops: its operands, axis roles, dtype rule and semantics). ``args`` maps the
+    codegen.frontend.ops: its operands, axis roles, dtype rule and semantics). ``args`` maps the
     definition's operand names to tensors (an absent optional operand is not a key);
     ``op.<operand>`` reads them (None for an absent optional one)."""
 
@@ -699,47 +699,6 @@ def mul(a: TensorView, b: TensorView) -> TensorView:
 def cast(t: TensorView, dtype: torch.dtype) -> TensorView:
     """``t`` converted to ``dtype`` (rounded to nearest even, as ``Tensor.to``)."""
     return _define(ops_.CAST, {"dtype": dtype}, x=t)
-
-
-# The ops of gradients (codegen.autograd builds them; a definition may use them too).
-
-
-def matmul_tn(a: TensorView, b: TensorView) -> TensorView:
-    """``a.mT @ b`` for ``a [k, m]`` and ``b [k, n]`` (a contraction over both rows), or
-    batched: ``a [B, k, m]``, ``b [B, k, n]``."""
-    return _define(ops_.MATMUL_TN, a=a, b=b)
-
-
-def matmul_nt(a: TensorView, b: TensorView) -> TensorView:
-    """``a @ b.mT`` for ``a [m, k]`` and ``b [n, k]``, or batched: ``a [B, m, k]``,
-    ``b [B, n, k]``."""
-    return _define(ops_.MATMUL_NT, a=a, b=b)
-
-
-def matmul_tn_sum(a: TensorView, b: TensorView) -> TensorView:
-    """The sum over the batch of ``a[i].T @ b[i]``: ``a [B, k, m]``, ``b [B, k, n]``,
-    out ``[m, n]`` (the gradient of a weight every batch shares)."""
-    return _define(ops_.MATMUL_TN_SUM, a=a, b=b)
-
-
-def sum_rows(t: TensorView) -> TensorView:
-    """``t`` summed over every axis but the last, for a 2-D or 3-D ``t``."""
-    return _define(ops_.SUM_ROWS, x=t)
-
-
-def silu_grad(dy: TensorView, x: TensorView) -> TensorView:
-    """``dy * silu'(x)`` (torch's silu_backward)."""
-    return _define(ops_.SILU_GRAD, a=dy, b=x)
-
-
-def gelu_grad(dy: TensorView, x: TensorView, approximate: str = "none") -> TensorView:
-    """``dy * gelu'(x)`` (torch's gelu_backward)."""
-    return _define(ops_.GELU_GRAD, {"approximate": approximate}, a=dy, b=x)
-
-
-def relu_grad(dy: TensorView, x: TensorView) -> TensorView:
-    """``dy`` where ``x > 0``, else 0 (torch's threshold_backward at 0)."""
-    return _define(ops_.RELU_GRAD, a=dy, b=x)
 
 
 def output(t: TensorView, device: str = "cuda") -> None:

@@ -18,7 +18,7 @@ flops at the GEMM rate; a column block as wide as b (one slice) is a dense copy.
 chosen only when estimated at least ``MARGIN`` faster: near a tie the column loop, which
 rounds a bf16 output once instead of once per slice, is kept. A host operand that is not
 row-major (a transposed or column-major ``b``) has dense column blocks already, and its
-row blocks would be the 2-D copies: it keeps its columns (``ContractionChoice.rows``).
+row blocks would be the 2-D copies: it keeps its columns (``prefers_rows``).
 
 The constants are the H200's (benchmarks/RESULTS.md): dense copies at 55.3 GB/s; 2-D
 copies traced under GEMMs at 49 / 37 / 24 GB/s with rows of 4 / 2 / 1 KiB (0.89 / 0.67 /
@@ -35,9 +35,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import torch
+
+from .. import hostir as hir
+from ..frontend.ir import Sym
 
 COPY_BYTES_PER_MS = 55.3e6  # pinned host-to-device, dense
 HBM_BYTES_PER_MS = 4.8e9
@@ -113,3 +116,37 @@ def prefer_rows(costs: list[StreamedMatmulCost]) -> bool:
     columns = sum(c.columns_ms for c in costs)
     rows = sum(c.rows_ms for c in costs)
     return columns > MARGIN * rows
+
+
+def matmul_cost(mm: hir.StreamedMatmul, env: Mapping[str, int]) -> StreamedMatmulCost:
+    """The two estimates of one streamed matmul of a program, its extents bound by ``env``."""
+    m, k, n, slices, column_block = (e.evaluate(env) for e in mm.extents())
+    return streamed_matmul(m, k, n, slices, column_block, mm.dtype, mm.out_dtype)
+
+
+def prefers_rows(choice: hir.ContractionChoice, env: Mapping[str, int],
+                 row_major: Mapping[str, bool] | None = None) -> bool:
+    """Whether blocks of rows are estimated faster for ``choice``'s loops at the extents
+    ``env``; never where a host operand is not row-major (``row_major``, by name; all are
+    where it is None): its column blocks are dense copies already."""
+    if row_major is not None and not all(row_major.get(mm.host, True)
+                                         for mm in choice.matmuls):
+        return False
+    return prefer_rows([matmul_cost(mm, env) for mm in choice.matmuls])
+
+
+def choice_rows_below(choice: hir.ContractionChoice, m: str, env: Mapping[str, int],
+                      row_major: Mapping[str, bool] | None = None) -> int | None:
+    """The least value of the extent ``m`` from which ``choice`` takes blocks of columns,
+    the other extents being ``env``: rows exactly below it. None where ``m`` is not every
+    matmul's row count."""
+    if any(mm.m != Sym(m) for mm in choice.matmuls):
+        return None
+    return rows_below(lambda v: prefers_rows(choice, {**env, m: v}, row_major))
+
+
+def estimate_str(choice: hir.ContractionChoice, env: Mapping[str, int]) -> str:
+    """Both loops' estimates, summed over ``choice``'s matmuls, as the host IR prints them."""
+    costs = [matmul_cost(mm, env) for mm in choice.matmuls]
+    columns, rows = sum(c.columns_ms for c in costs), sum(c.rows_ms for c in costs)
+    return f"columns {columns:.2f} ms, rows {rows:.2f} ms estimated"

@@ -12,110 +12,26 @@ from collections.abc import Callable
 
 import torch
 
-from . import hostir as hir
-from .errors import InternalError, ScheduleError
-from .ir import (
+from .. import hostir as hir
+from ..errors import ScheduleError
+from ..frontend.ir import (
     Const,
-    Expr,
     Fusion,
     Op,
     ParallelType,
-    Split,
     TensorView,
-    ceil_div,
-    mul_extents,
 )
-
-# ---------------------------------------------------------------------------- analysis
-
-
-@dataclasses.dataclass(frozen=True)
-class StreamSplit:
-    """How a tensor's shape axis is cut into stream slices.
-
-    ``chain`` lists the splits from the logical axis down to the stream IterDomain as
-    (inner_split, factor); slice i covers ``[i*chunk, min((i+1)*chunk, n))`` and there
-    are ``count`` slices (the last may be short or empty).
-    """
-
-    axis: int
-    chain: tuple[tuple[bool, int], ...]
-    count: Expr
-    chunk: Expr
-
-    def describe(self) -> str:
-        splits = ", ".join(f"{'split' if inner else 'outer_split'}({f})"
-                           for inner, f in self.chain) or "no split"
-        return f"axis {self.axis} [{splits}]"
-
-
-def splits(tv: TensorView) -> list[Split]:
-    """Every split of ``tv``'s schedule, found from the loop domain up."""
-    found: dict[int, Split] = {}  # keyed by the split input's id
-    todo = list(tv.loop)
-    while todo:
-        i = todo.pop()
-        if i.definition is not None and id(i.definition.input) not in found:
-            found[id(i.definition.input)] = i.definition
-            todo.append(i.definition.input)
-    return list(found.values())
-
-
-def stream_split(tv: TensorView) -> StreamSplit | None:
-    """The stream split of ``tv``, found anywhere in its loop domain, or None."""
-    sid = tv.stream_id()
-    if sid is None:
-        return None
-    chain: list[tuple[bool, int]] = []
-    node = sid
-    while node.definition is not None:
-        split = node.definition
-        if node is split.inner:
-            raise ScheduleError(
-                f"{tv.name}: the stream axis {sid} is the inner part of a split of "
-                f"{split.input}; its slices would not be contiguous ranges. Parallelize "
-                "the outer part instead (outer_split(axis, S) gives S slices)"
-            )
-        chain.append((split.inner_split, split.factor))
-        node = split.input
-    if node not in tv.logical:
-        raise InternalError(f"{tv.name}: stream axis {sid} does not come from the logical domain")
-    axis = [i for i in tv.logical if not i.is_reduction].index(node)
-    chain.reverse()
-    return StreamSplit(axis, tuple(chain), sid.extent, _chain_chunk(node.extent, tuple(chain)))
-
-
-def replay_stream_split(tv: TensorView, axis: int, split: StreamSplit) -> None:
-    """Applies ``split``'s chain to ``tv``'s shape axis ``axis`` and marks it Stream."""
-    node = [i for i in tv.logical if not i.is_reduction][axis]
-    if node not in tv.loop:  # the splits below only ever split what they just made
-        raise ScheduleError(
-            f"cannot propagate the stream split {split.describe()} to {tv.name} axis {axis}: "
-            f"that axis was already split by the schedule {tv.loop_str()}"
-        )
-    for inner_split, factor in split.chain:
-        pos = tv.loop.index(node)
-        tv._split(pos, factor, inner_split)
-        node = tv.loop[pos]
-    node.parallelize(ParallelType.Stream)
-
-
-def stream_group(op: Op) -> list[tuple[str, int]]:
-    """The (operand, axis) pairs that index the same dimension as the output's stream
-    axis; empty if the output is not stream-parallel."""
-    split = stream_split(op.out)
-    if split is None:
-        return []
-    for group in op.iteration_groups():
-        if ("out", split.axis) in group:
-            return list(group)
-    raise InternalError(f"{op}: stream axis {split.axis} is in no iteration group")
-
-
-def consumers(fusion: Fusion, tv: TensorView) -> list[tuple[Op, str]]:
-    return [(op, name) for op in fusion.ops for name, t in op.operands().items()
-            if t is tv and name != "out"]
-
+from ..frontend.schedule import (
+    StreamSplit,
+    chain_chunk,
+    consumers,
+    replay_stream_split,
+    split_on,
+    splits,
+    stream_group,
+    stream_split,
+)
+from . import cost
 
 # ---------------------------------------------------------------------------- passes
 
@@ -185,7 +101,7 @@ def propagate_stream_sharding(fusion: Fusion) -> Fusion:
                         continue
                     if id(dst) in inputs:
                         passed.add(id(dst))
-                        queue.append((dst, _split_on(dst, a, split.chain)))
+                        queue.append((dst, split_on(dst, a, split.chain)))
                         continue
                     replay_stream_split(dst, a, split)
                     queue.append((dst, stream_split(dst)))
@@ -208,7 +124,7 @@ def _uniform_read(fusion: Fusion, tv: TensorView) -> StreamSplit | None:
     ((axis, chain),) = reads
     if [i for i in tv.logical if not i.is_reduction][axis] not in tv.loop:
         return None  # the user split that axis (without a stream): leave their schedule
-    return _split_on(tv, axis, chain)
+    return split_on(tv, axis, chain)
 
 
 def check_stream_consistency(fusion: Fusion) -> Fusion:
@@ -381,7 +297,7 @@ def contraction_candidates(fusion: Fusion, segments: list[Segment]) -> dict[int,
                 and a.ndim == 2 and b.ndim == 2 and id(b) in inputs and b.device == "cpu"
                 and seg.sliced.get((0, "b")) == 1 and (0, "a") not in seg.sliced
                 and op.out.device == "cuda" and op.out.dtype != torch.float16):
-            split = _split_on(a, 1, seg.split.chain)
+            split = split_on(a, 1, seg.split.chain)
             found[i] = Segment([op], split, {(0, "a"): 1, (0, "b"): 0}, {0})
     return found
 
@@ -398,7 +314,11 @@ def contraction_choice(fusion: Fusion, segments: list[Segment]) -> hir.Contracti
         matmuls.append(hir.StreamedMatmul(op.out.name, a.name, b.name, a.shape[0], a.shape[1],
                                           b.shape[1], seg.split.count, seg.split.chunk,
                                           b.dtype, op.out.dtype))
-    return hir.ContractionChoice(tuple(matmuls)) if matmuls else None
+    if not matmuls:
+        return None
+    choice = hir.ContractionChoice(tuple(matmuls))
+    return dataclasses.replace(choice, estimate=cost.estimate_str(choice, {})) \
+        if choice.known() else choice
 
 
 @dataclasses.dataclass
@@ -499,7 +419,7 @@ def build_host_program(
                         views[(t.name, axis)] = view
                         # In t's own extent: operands tied by a constraint may spell
                         # one size differently.
-                        chunk = _chain_chunk(t.shape[axis], seg.split.chain)
+                        chunk = chain_chunk(t.shape[axis], seg.split.chain)
                         loop_body.append(hir.ShardByStream(view, t.name, axis, "i", chunk))
                     names[n] = views[(t.name, axis)]
                 loop_body.append(_compute_node(op, names, oi in seg.accumulate))
@@ -512,7 +432,7 @@ def build_host_program(
         outputs=[t.name for t in fusion.outputs],
         body=body,
         constraints=_constraints(fusion),
-        pool_size=pool_size,
+        options=hir.Options(pool_size=pool_size),
     )
 
 
@@ -528,22 +448,70 @@ def _fresh_view_name(tensor: str, axis: int, taken: set[str]) -> str:
     return f"{tensor}_i{axis}_{n}"
 
 
-def _chain_extents(extent: Expr, chain: tuple[tuple[bool, int], ...]) -> tuple[Expr, Expr]:
-    """(count, chunk) of ``chain`` applied to an axis of ``extent``: the extent of the last
-    split's outer part, and the elements of the axis one index of it covers (the product of
-    the inner extents along the chain)."""
-    chunk: Expr = Const(1)
-    for inner_split, factor in chain:
-        outer, inner = ((ceil_div(extent, Const(factor)), Const(factor)) if inner_split
-                        else (Const(factor), ceil_div(extent, Const(factor))))
-        chunk, extent = mul_extents(chunk, inner), outer
-    return extent, chunk
+# ---------------------------------------------------------------------------- the pass list
 
 
-def _chain_chunk(extent: Expr, chain: tuple[tuple[bool, int], ...]) -> Expr:
-    return _chain_extents(extent, chain)[1]
+@dataclasses.dataclass(frozen=True)
+class Lowering:
+    """What lowering a scheduled fusion has made so far: its loops (``segments``), the
+    contraction choice of ``split_contraction="auto"``, the allocation plan and, last,
+    the host program. Each of ``LOWERING_PASSES`` fills in one more field."""
+
+    fusion: Fusion
+    pool_size: int
+    split_contraction: bool | str
+    segments: tuple[Segment, ...] = ()
+    choice: hir.ContractionChoice | None = None
+    plan: AllocationPlan | None = None
+    program: hir.HostProgram | None = None
 
 
-def _split_on(tv: TensorView, axis: int, chain: tuple[tuple[bool, int], ...]) -> StreamSplit:
-    """The StreamSplit ``chain`` would give ``tv``'s shape axis ``axis``, without applying it."""
-    return StreamSplit(axis, chain, *_chain_extents(tv.shape[axis], chain))
+def segment_loops(state: Lowering) -> Lowering:
+    """Before: the fusion's ops, stream axes in front. After: its loops (``segment``)."""
+    return dataclasses.replace(state, segments=tuple(segment(state.fusion)))
+
+
+def weigh_contractions(state: Lowering) -> Lowering:
+    """``split_contraction="auto"``: records what the choice weighs (``contraction_choice``);
+    this program keeps its column blocks (the driver lowers the row loop as its
+    alternative where the choice is not settled). Before: ``split_contraction`` True,
+    False or "auto". After: True or False, and the choice where it was "auto"."""
+    if state.split_contraction != "auto":
+        return state
+    choice = contraction_choice(state.fusion, list(state.segments))
+    return dataclasses.replace(state, choice=choice, split_contraction=False)
+
+
+def split_contraction_loops(state: Lowering) -> Lowering:
+    """With ``split_contraction=True``: the loops that stream a host operand by column
+    blocks stream it by row blocks instead (``split_contractions``); else nothing."""
+    if not state.split_contraction:
+        return state
+    return dataclasses.replace(
+        state, segments=tuple(split_contractions(state.fusion, list(state.segments))))
+
+
+def plan_buffers(state: Lowering) -> Lowering:
+    """Before: the loops. After: what each allocates before it and frees after it
+    (``plan_allocations``)."""
+    return dataclasses.replace(state, plan=plan_allocations(state.fusion, list(state.segments)))
+
+
+def lower_to_host_ir(state: Lowering) -> Lowering:
+    """Before: the loops and their allocations. After: the host program
+    (``build_host_program``), verified; streams and synchronization come from the host-IR
+    passes."""
+    assert state.plan is not None
+    program = build_host_program(state.fusion, list(state.segments), state.plan,
+                                 state.pool_size)
+    return dataclasses.replace(state, program=hir.verify(program))
+
+
+LoweringPass = Callable[[Lowering], Lowering]
+LOWERING_PASSES: tuple[LoweringPass, ...] = (
+    segment_loops,
+    weigh_contractions,
+    split_contraction_loops,
+    plan_buffers,
+    lower_to_host_ir,
+)

@@ -17,17 +17,19 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from . import digest, distributed, ops
-from . import hostir as hir
-from .errors import InternalError
-from .ir import DTYPE_NAMES, CeilDiv, Const, Expr, Min, Mul, Sym
+from .. import distributed
+from .. import hostir as hir
+from ..errors import InternalError
+from ..frontend import ops
+from ..frontend.ir import DTYPE_NAMES, CeilDiv, Const, Expr, Min, Mul, Sym
+from . import digest
 
 if TYPE_CHECKING:
     import jinja2
 
 NAMESPACE = "codegen"
 
-# dtype -> the runtime's DType (codegen/include/codegen/tensor.h). The cuBLAS data and
+# dtype -> the runtime's DType (codegen/backend/include/codegen/tensor.h). The cuBLAS data and
 # accumulate types follow from it and from torch's precision flags at call time
 # (rt::gemm_type): fp16 and bf16 accumulate in fp32; fp32 uses TF32 only when allowed.
 DTYPES: dict[torch.dtype, str] = {
@@ -66,12 +68,8 @@ _DERIVED = ("_arg",)
 
 
 def template_dir() -> Path:
-    """``templates/`` of a source checkout, or ``codegen/templates`` when installed."""
-    here = Path(__file__).resolve().parent
-    for candidate in (here / "templates", here.parent / "templates"):
-        if (candidate / "program.cpp.j2").is_file():
-            return candidate
-    raise InternalError(f"templates not found next to {here}")
+    """The Jinja templates (``codegen/backend/templates``), shipped with the package."""
+    return Path(__file__).resolve().parent / "templates"
 
 
 @functools.cache
@@ -90,17 +88,18 @@ def _environment() -> jinja2.Environment:
 # Modules that cannot change a program's C++ (they build, run, time or show it), by path in
 # the package; every other module of the package (subpackages included) is hashed into the
 # op name, new ones included by default.
-# (builder.py's flags key the build cache instead.)
-_NOT_SHAPING_CPP = frozenset({"builder.py", "evaluator.py", "timeline.py", "demo.py",
-                              "__main__.py", "timing.py", "collectives.py", "races.py",
-                              "autograd.py", "distributed/evaluation.py", "__init__.py",
-                              "version.py"})
-# Subpackages that only call compiled programs (offloading a model), likewise.
-_NOT_SHAPING_PACKAGES = ("nn/",)
+# (the build's flags key the build cache instead.)
+_NOT_SHAPING_CPP = frozenset({"tools/timeline.py", "tools/demo.py", "tools/cli.py",
+                              "tools/timing.py", "distributed/evaluation.py", "__init__.py",
+                              "__main__.py", "version.py"})
+# Stages that only build, run or call compiled programs (building, the call-time policy,
+# the interpreters, offloading a model), likewise.
+_NOT_SHAPING_PACKAGES = ("jit/", "runtime/", "interp/", "nn/")
 
 
 def include_dir() -> Path:
-    """The runtime headers (``codegen/include``), on the include path of every build."""
+    """The runtime headers (``codegen/backend/include``), on the include path of every
+    build."""
     return Path(__file__).resolve().parent / "include"
 
 
@@ -109,7 +108,7 @@ def _renderer_digest() -> str:
     """A hash of everything besides the program that the C++ depends on: the templates,
     the runtime headers and the package's modules (a change to a pass can change the
     program without changing the renderer)."""
-    package = Path(__file__).resolve().parent
+    package = Path(__file__).resolve().parent.parent
     modules = [p for p in sorted(package.rglob("*.py"))
                if p.relative_to(package).as_posix() not in _NOT_SHAPING_CPP
                and not p.relative_to(package).as_posix().startswith(_NOT_SHAPING_PACKAGES)]
@@ -120,7 +119,8 @@ def _renderer_digest() -> str:
 @functools.cache
 def runtime_headers_digest() -> str:
     """A hash of the runtime headers (``include_dir()``): part of the op name, and the
-    version of what the programs in a process share (``CODEGEN_RT_ABI``, builder.py)."""
+    version of what the programs in a process share (``CODEGEN_RT_ABI``,
+    codegen/jit/compiler.py)."""
     return _files_digest(sorted(include_dir().rglob("*.h")))
 
 
@@ -256,7 +256,7 @@ def _layout_checks(program: hir.HostProgram, t: hir.TensorInfo, names: _Names,
 def _input_checks(program: hir.HostProgram, names: _Names) -> dict[str, Any]:
     """Inputs on the GPU are checked first (``rt::input``: CUDA tensors, all on one
     device, which is the op's device); then host inputs (``rt::host_input``: CPU tensors,
-    pinned or pageable, see codegen/include/codegen/host.h). With no GPU input the op
+    pinned or pageable, see codegen/backend/include/codegen/host.h). With no GPU input the op
     runs on the current CUDA device, as the evaluator does (``program_device``)."""
     def spec(t: hir.TensorInfo) -> dict[str, Any]:
         return {"name": names(t.name), "arg": _cstr(t.name), "dtype": DTYPES[t.dtype],
@@ -302,7 +302,7 @@ def _stream(ref: hir.StreamRef) -> str:
     return f"streams.worker({ref.position_str()})"
 
 
-# The storage and compute types of pointwise kernels (codegen/include/codegen/pointwise.h).
+# The storage and compute types of pointwise kernels (codegen/backend/include/codegen/pointwise.h).
 _C_TYPES = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "float",
             torch.float64: "double"}
 
@@ -356,7 +356,8 @@ class _Statements:
                 self.out.append({"kind": "EndFor", "hir": "", "indent": "  " * depth})
 
     def range(self, n: hir.Node) -> str:
-        """The arguments of the statement's ``rt::Range`` (codegen/include/codegen/nvtx.h)."""
+        """The arguments of the statement's ``rt::Range``
+        (codegen/backend/include/codegen/nvtx.h)."""
         if self.loops:
             index = self.loops[-1]
             return f"op, {_cstr(index)}, {index}, {_cstr(str(n))}"
@@ -401,7 +402,7 @@ class _Statements:
 
     def StreamSynchronize(self, n: hir.StreamSynchronize) -> dict[str, Any]:
         # The caller's stream, the program's last node: every stream has joined it (the host
-        # IR's order, which codegen.races checks), so the host tensors are done with.
+        # IR's order, which codegen.interp.races checks), so the host tensors are done with.
         done = n.stream == hir.MAIN_STREAM and not self.loops and n is self.program.body[-1]
         return {"stream": _stream(n.stream), "range": self.range(n), "host_done": done}
 

@@ -9,13 +9,13 @@ every process: nothing here depends on ``hash()``, ``id()`` or the order of a se
                           round-trips, so 1.0 and 1 differ)
     "T0"                  "T0" (JSON-quoted, ASCII only)
     torch.float32         torch.float32
-    an enum member        codegen.ir.ParallelType.Stream (class and member name)
+    an enum member        codegen.frontend.ir.ParallelType.Stream (class and member name)
     a dataclass           codegen.hostir.Stream(index="i", pool=4): the qualified name of
                           its class, then every field (``dataclasses.fields``, in
                           declaration order, with ``repr=False`` and ``compare=False``
                           fields too, but not one whose metadata says ``digest: False``:
                           a program's source fusion, which its nodes already say all of);
-                          the extents, ``codegen.ir.Expr``, are dataclasses
+                          the extents, ``codegen.frontend.ir.Expr``, are dataclasses
     a list, a tuple       [a, b], (a, b) (a one-element tuple: (a,))
     a dict                {k: v, ...} in insertion order: the order code that reads it
                           sees; equal dicts built in other orders get other texts (a
@@ -36,7 +36,7 @@ import json
 
 import torch
 
-from .errors import InternalError
+from ..errors import InternalError
 
 
 def canonical(value: object) -> str:

@@ -17,10 +17,13 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from . import autograd, distributed, ops
-from . import hostir as hir
-from .errors import InternalError
-from .ir import DTYPE_NAMES
+from .. import distributed
+from .. import hostir as hir
+from ..errors import InternalError
+from ..frontend import ops
+from ..frontend.ir import DTYPE_NAMES
+from ..runtime import autograd
+from ..runtime.dispatch import chosen
 
 
 @functools.cache
@@ -350,11 +353,17 @@ def evaluate(program: hir.HostProgram, inputs: Sequence[torch.Tensor], *,
     if group is not None and not distributed.communications(program):
         raise TypeError(f"{program.name}: group= is only for programs with collectives; "
                         "this one has none")
-    program = program.chosen(env, inputs)  # split_contraction="auto": the loop for these inputs
+    program = chosen(program, inputs)  # split_contraction="auto": the loop for these inputs
     if program.source is not None and not distributed.communications(program) and \
             autograd.requires_grad(inputs):
-        return autograd.evaluate(program, inputs, lambda: _run(program, inputs, env, group))
+        return autograd.evaluate(program, inputs, lambda: _run(program, inputs, env, group),
+                                 _realize)
     return _run(program, inputs, env, group)
+
+
+def _realize(program: hir.HostProgram) -> Callable[..., list[torch.Tensor]]:
+    """A derived program (a backward) run by the evaluator."""
+    return lambda *args: evaluate(program, list(args))
 
 
 def _run(program: hir.HostProgram, inputs: Sequence[torch.Tensor], env: dict[str, int],

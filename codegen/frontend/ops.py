@@ -18,7 +18,7 @@ An :class:`OpDef` says everything the pipeline needs to know about one op kind:
 The IR (``ir.Op``), the host IR (``hostir.Compute``), the evaluator, the stream-order
 checker and the renderer all dispatch through these definitions; adding an op kind is one
 definition here (plus, for a pointwise op, one device function in
-``codegen/include/codegen/pointwise.h``).
+``codegen/backend/include/codegen/pointwise.h``).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .errors import ScheduleError
+from ..errors import ScheduleError
 
 Member = tuple[str, int]  # (operand name, axis); the output is "out"
 Attrs = Mapping[str, Any]
@@ -75,15 +75,16 @@ class OpDef:
     compute: Callable[..., torch.Tensor] | None = None  # pointwise: operands -> result
     cpp: Callable[[list[str], Attrs], str] | None = None  # pointwise: C expression
     # The GEMM epilogue that computes this op (an rt::Epilogue of
-    # codegen/include/codegen/epilogue.h, e.g. "GeluTanh"), or None where there is none.
+    # codegen/backend/include/codegen/epilogue.h, e.g. "GeluTanh"), or None where there is none.
     epilogue: Callable[[Attrs], str | None] | None = None
     # A GEMM whose result may take a pointwise consumer as its epilogue.
     epilogues: bool = True
     # A GEMM the runtime can run adding onto its output (beta = 1, ``accumulate=True``).
     accumulates: bool = True
-    # Reverse mode (codegen.autograd): (dy, operands, attrs, builder) -> each operand's
-    # gradient, built with the builder's ops (the functions of codegen.ir), or a
-    # ScheduleError where the op has none.
+    # Reverse mode (codegen.transforms.gradient): (dy, operands, attrs, builder) -> each
+    # operand's gradient, built with the builder's ops (the functions of
+    # codegen.frontend.ir and codegen.frontend.grad_ops), or a ScheduleError where the op
+    # has none.
     vjp: Callable[..., dict[str, Any]] | None = None
 
     # One object per op kind: copies of a fusion (Fusion.clone) share the definitions, so
@@ -141,8 +142,8 @@ def same_dtype(op: str) -> Callable[[Mapping[str, Any], Attrs], torch.dtype]:
 # ---------------------------------------------------------------------------- reverse mode
 # Each rule gets the gradient of the op's result (dy), its operands (v: the forward's
 # values, as the backward program sees them), its attributes and a builder (``b``: the
-# functions of codegen.ir, so these rules build ops like a user's definition does), and
-# gives the gradient of every operand.
+# functions of codegen.frontend.ir and codegen.frontend.grad_ops, so these rules build ops
+# like a user's definition does), and gives the gradient of every operand.
 
 
 def _unbroadcast(op: str, g: Any, like: Any, b: Any) -> Any:

@@ -1,6 +1,6 @@
 // codegen runtime: everything a generated program includes, in one header that the
-// build precompiles once per cache (codegen/builder.py), so a program compiles in about a
-// second. One header per concern:
+// build precompiles once per cache (codegen/jit/precompiled.py), so a program compiles in
+// about a second. One header per concern:
 //   check.h      messages and the CG_CHECK macro
 //   tensor.h     strided views, argument checks, allocation
 //   stream.h     the caller's stream, leased worker streams, fork/join events
