@@ -20,7 +20,7 @@ three times it (GEMM-bound), and S = 1, 2, 4, 8, 16, it reports per row:
   stream): w streamed by blocks of rows (dense copies), each slice adding its product
   onto the whole output (``passes.split_contractions``);
 - auto / floor: lowered with ``split_contraction="auto"`` (and the copy stream): each call
-  runs the loop ``codegen.cost`` estimates faster for its m (``auto_loop`` in the JSON);
+  runs the loop ``codegen.transforms.cost`` estimates faster for its m (``auto_loop`` in the JSON);
 - the same op reading a column-major w (w^T stored contiguous, as nn.Linear keeps it):
   each slice is one 1-D copy instead of a 2-D one; and (col_cs) that op with the copy
   stream;

@@ -193,7 +193,7 @@ def _async_tp(ag: bool, x: Any, w: Any, dist: Any) -> Any:
 def _trace(call: Any, pool: int, case: dict[str, Any], out: str, rank: int) -> str:
     """Profiles one call of the op on every rank (the collectives need them all); rank 0
     draws its streams (collectives crossed) and prints how much collective time the GEMMs
-    hid, measured beside planned (codegen.timeline). Returns that report."""
+    hid, measured beside planned (codegen.tools.timeline). Returns that report."""
     from codegen.tools.timeline import overlap_report, plot_kernels, profile_gpu
 
     events = [e for e in profile_gpu(call) if e.kind != "memset"]

@@ -1,7 +1,7 @@
 """How should the backward of a GPU-resident ``llama_mlp`` use its streams?
 
 One training step is the saving forward then the backward (h 4096, i 14336, m 4096, bf16),
-both built from ``codegen.autograd.derive``. The forward is always the user's split (S
+both built from ``codegen.transforms.gradient.derive``. The forward is always the user's split (S
 slices, ``pool_size`` 4); the backward varies: split like the forward on 4, 2 or 1 worker
 streams, split like an S = 1 forward (no loop), or built with cublasGemmEx instead of
 cuBLASLt. The two programs are called directly (no autograd), next to torch autograd of
