@@ -7,6 +7,8 @@
 #   BENCH=offload bash tools/gpu_quick.sh              also offload_llama (prefill, decode eager
 #                                                      and replayed, generate) and where the
 #                                                      host waits in generate
+#   BENCH=budget bash tools/gpu_quick.sh               also offload_budget (the 8B-shaped model
+#                                                      at GPU budgets, accelerate, fp8, int4)
 export CODEGEN_CACHE_DIR=${CODEGEN_CACHE_DIR:-/tmp/cgc2} PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 export PYTHONPATH=.
 OUT=${OUT:-/tmp}; mkdir -p $OUT/bm
@@ -25,4 +27,7 @@ esac
 case " $BENCH " in *" offload "*)
   timeout ${OFFLOAD_LLAMA_S:-300} python3 -m benchmarks.offload_llama --rounds ${OFFLOAD_ROUNDS:-3} --tokens ${OFFLOAD_TOKENS:-512,4096,1} --generate ${OFFLOAD_GENERATE:-8} --variants ${OFFLOAD_VARIANTS:-codegen,prefetch,gpu,copy} --out $OUT 2>&1 | tee $OUT/offload_llama.log | grep -v "^set up" | tail -24
   timeout ${GAPS_S:-150} python3 -m benchmarks.probes.offload_copy_gaps --generate 8 --configs default 2>&1 | grep -v -i warn | tee $OUT/offload_gaps.log | head -60;;
+esac
+case " $BENCH " in *" budget "*)
+  timeout ${BUDGET_S:-420} python3 -m benchmarks.offload_budget --tokens ${BUDGET_TOKENS:-512,4096,1} --generate ${BUDGET_GENERATE:-3} --rounds ${BUDGET_ROUNDS:-2} --quantize fp8,int4 --out $OUT 2>&1 | tee $OUT/offload_budget.log | grep -v "^set up" | tail -60;;
 esac
