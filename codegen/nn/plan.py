@@ -80,6 +80,14 @@ def _natural(name: str) -> list[object]:
     return [(0, int(p), "") if p.isdigit() else (1, 0, p) for p in name.split(".")]
 
 
+def arena_row_bytes(quant: str | None, in_features: int, dtype: torch.dtype) -> int:
+    """Bytes of one weight row in the arena: its values, or (quantized) its quantized
+    values and their scales."""
+    if quant is not None:
+        return quantize.row_bytes(quant, in_features, dtype)
+    return in_features * dtype.itemsize
+
+
 @dataclasses.dataclass(frozen=True)
 class Layout:
     """Where one offloaded Linear's tensors lie in the arena (bytes from its start)."""
@@ -95,9 +103,7 @@ class Layout:
     @property
     def row_bytes(self) -> int:
         """Bytes of one weight row in the arena (and the staging)."""
-        if self.quant is not None:
-            return quantize.row_bytes(self.quant, self.in_features, self.dtype)
-        return self.in_features * self.dtype.itemsize
+        return arena_row_bytes(self.quant, self.in_features, self.dtype)
 
     @property
     def weight_bytes(self) -> int:
@@ -130,9 +136,7 @@ class Resident:
     @property
     def streamed_row_bytes(self) -> int:
         """Bytes of a weight row in the arena, where it is streamed."""
-        if self.quant is not None:
-            return quantize.row_bytes(self.quant, self.in_features, self.dtype)
-        return self.in_features * self.dtype.itemsize
+        return arena_row_bytes(self.quant, self.in_features, self.dtype)
 
     @property
     def nbytes(self) -> int:
