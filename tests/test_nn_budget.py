@@ -51,15 +51,37 @@ def test_the_placement_holds_the_budget_and_spreads_the_resident_bytes(share):
         assert abs(in_quarter - len(kept) / 4) <= 1.5, (q, sorted(kept))
 
 
-def test_linears_of_different_sizes_are_placed_within_the_budget():
+def allocated(n):
+    """What the caching allocator takes for a tensor of n bytes (multiples of 512)."""
+    return -(-n // 512) * 512
+
+
+def test_linears_of_different_sizes_are_placed_within_the_budget_as_allocated():
+    """Each GPU tensor counted as the allocator hands it out: every resident weight and
+    bias, the ring, the bias buffer (small odd sizes, so that the rounding matters)."""
     lins = [Resident(f"l.{i}", torch.bfloat16, out, 96, bias=i % 3 == 0)
-            for i, out in enumerate([512, 64, 64, 512, 1344, 1344, 512] * 3)]
-    total = sum(lay.nbytes for lay in lins)
-    biases = sum(-(-(lay.nbytes - lay.weight_bytes) // ALIGN) * ALIGN for lay in lins)
-    for budget in range(least_staging(lins), total + 4096, 9973):
+            for i, out in enumerate([500, 61, 67, 509, 1341, 1345, 515] * 3)]
+    total = sum(allocated(lay.weight_bytes) + allocated(lay.nbytes - lay.weight_bytes)
+                for lay in lins)
+    biases = allocated(sum(-(-(lay.nbytes - lay.weight_bytes) // ALIGN) * ALIGN
+                           for lay in lins))
+    for budget in range(least_staging(lins), total + 4096, 997):
         kept, ring = place(lins, budget, None, 200_000)
-        assert sum(lins[i].weight_bytes for i in kept) + ring + biases <= budget or (
-            len(kept) == len(lins) and ring == 0)
+        if len(kept) == len(lins):
+            assert ring == 0 and total <= budget
+            continue
+        resident = sum(allocated(lins[i].weight_bytes)
+                       + allocated(lins[i].nbytes - lins[i].weight_bytes) for i in kept)
+        assert resident + allocated(ring) + biases <= budget, budget
+
+
+def test_a_budget_of_the_unrounded_bytes_does_not_keep_every_linear():
+    lins = [Resident(f"l.{i}", torch.float32, 100, 10, bias=False) for i in range(3)]
+    assert sum(lay.nbytes for lay in lins) == 12000  # 4096 each, as allocated
+    kept, ring = place(lins, 12000, None, 4096)
+    assert len(kept) < 3 and ring > 0
+    kept, ring = place(lins, 3 * 4096, None, 4096)
+    assert len(kept) == 3 and ring == 0
 
 
 def test_a_budget_that_holds_every_linear_streams_none():
@@ -71,17 +93,21 @@ def test_a_budget_that_holds_every_linear_streams_none():
 def test_a_budget_below_the_least_staging_is_refused_with_the_minimum():
     lins = linears(5, bias=True)
     least = least_staging(lins)
-    assert least == 32 * 4 + ALIGN + 5 * ALIGN  # a row of 32 floats, and five biases
+    # A ring of one row of 32 floats (and ALIGN), five biases of ALIGN, each as allocated.
+    assert least == allocated(32 * 4 + ALIGN) + allocated(5 * ALIGN)
     with pytest.raises(ValueError, match=rf"gpu_budget of {least - 1} bytes .* needs: "
                                          rf"{least} bytes"):
         place(lins, least - 1, None, 4096)
     kept, ring = place(lins, least, None, 4096)
-    assert not kept and ring == least - 5 * ALIGN
+    assert not kept and 32 * 4 + ALIGN <= ring and allocated(ring) + allocated(5 * ALIGN) <= least
 
 
-def test_a_staging_larger_than_the_budget_is_refused_by_name():
+def test_a_staging_larger_than_the_budget_or_below_a_row_is_refused_by_name():
     with pytest.raises(ValueError, match=r"staging=9000 bytes .* exceed gpu_budget=8000"):
         place(linears(5), 8000, 9000, 4096)
+    with pytest.raises(ValueError, match=r"staging=100 bytes cannot hold one copy of the "
+                                         r"widest streamed weight row; give staging >= 384"):
+        place(linears(5), 8000, 100, 4096)
 
 
 # ---------------------------------------------------------------------------- the model

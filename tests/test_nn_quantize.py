@@ -267,3 +267,102 @@ def test_the_plan_prints_each_piece_dequantized():
     assert "  a: [384, 256] bfloat16, streamed as int4" in text
     assert re.search(r"Linear\(x, Dequantize\(ring\[\d+:\d+\] as \[\d+, 256\] int4\), "
                      r"out=y\[:, 0:\d+\]\)", text)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rows_of_zeros_and_tiny_rows_quantize_to_numbers(kind, dtype):
+    torch.manual_seed(9)
+    w = torch.randn(8, 256, dtype=dtype)
+    w[2] = 0
+    w[5] = w[5] * 1e-6  # below what a scale in fp16's normal range divides
+    q, scale = codegen.nn.quantize_weight(w, kind)
+    assert torch.all(scale > 0)
+    w_hat = dequantize_reference(q, scale, dtype)
+    assert torch.isfinite(w_hat).all()
+    assert torch.equal(w_hat[2], torch.zeros(256, dtype=dtype))
+    # Each row within a step of its values (int4: its largest over 7, half of it by
+    # rounding; fp8: an eighth of the largest), the tiny row included.
+    err = (w_hat.float() - w.float()).abs().amax(dim=1)
+    assert torch.all(err <= w.float().abs().amax(dim=1) / 7)
+
+
+def test_a_backward_that_reaches_only_the_bias_is_refused_too():
+    ref = Stack(torch.float32, True)
+    model = codegen.nn.offload(copy.deepcopy(ref), device="cpu", quantize="fp8")
+    x = torch.randn(2, 256)  # needs no gradient; the biases do
+    y = model(x)
+    assert y.requires_grad
+    with pytest.raises(RuntimeError, match="backward through a weight quantized to fp8"):
+        y.sum().backward()
+
+
+def test_an_in_place_op_after_a_quantized_linear_works_in_grad_mode():
+    torch.manual_seed(10)
+    ref = nn.Sequential(nn.Linear(128, 128), nn.ReLU(inplace=True), nn.Linear(128, 8))
+    model = codegen.nn.offload(copy.deepcopy(ref), device="cpu", quantize="fp8")
+    x = torch.randn(3, 128, requires_grad=True)
+    want = F.linear(torch.relu(F.linear(x, reference_weight(ref[0].weight, "fp8"), ref[0].bias)),
+                    reference_weight(ref[2].weight, "fp8"), ref[2].bias)
+    torch.testing.assert_close(model(x), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_an_unquantized_checkpoint_loads_quantized_and_a_wrong_one_is_refused(kind):
+    ref = Stack(torch.bfloat16, True)
+    want = codegen.nn.offload(copy.deepcopy(ref), device="cpu", quantize=kind)
+    other = Stack(torch.bfloat16, True)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.normal_()
+    model = codegen.nn.offload(other, device="cpu", quantize=kind)
+    x = torch.randn(3, 256, dtype=torch.bfloat16)
+    with torch.no_grad():
+        model(x)  # the next forward's first spans are queued: the load must be seen
+        result = model.load_state_dict(ref.state_dict())
+        assert not result.missing_keys and not result.unexpected_keys
+        assert torch.equal(model(x), want(x))
+    bad = {**ref.state_dict(), "b.weight": torch.zeros(5, 5)}
+    with pytest.raises(ValueError, match=rf"b.weight is stored quantized to {kind}: .* got "
+                                         r"torch.float32 \(5, 5\)"):
+        model.load_state_dict(bad)
+
+
+def test_scales_written_in_place_are_read_by_the_next_forward():
+    torch.manual_seed(13)
+    ref = nn.Sequential(nn.Linear(256, 128, bias=False), nn.Linear(128, 64, bias=False))
+    model = codegen.nn.offload(copy.deepcopy(ref), device="cpu", quantize="fp8")
+    x = torch.randn(2, 256)
+    with torch.no_grad():
+        before = model(x)
+        model[0].weight_scale.mul_(2)  # the next forward's first spans were queued already
+        torch.testing.assert_close(model(x), 2 * before)
+
+
+def test_a_budget_sizes_the_default_ring_from_the_quantized_bytes():
+    ref = tiny_llama(dtype=torch.bfloat16, seed=11, layers=4, hidden=256, intermediate=512)
+    total = sum(m.weight.numel() * 2 for n, m in ref.named_modules()
+                if type(m) is nn.Linear and n != "lm_head")
+    plans = {}
+    for budget in (None, total // 2):
+        model = codegen.nn.offload(copy.deepcopy(ref), device="cpu", quantize="int4",
+                                   gpu_budget=budget, filter=lambda n, m: n != "lm_head")
+        plans[budget] = codegen.nn.offload_plan(model)
+    assert plans[total // 2].ring_bytes <= plans[None].ring_bytes + 512
+
+
+def test_weights_quantize_in_blocks_of_rows_as_they_do_whole():
+    from codegen.nn.offload import Arena, _quantized_into
+
+    torch.manual_seed(12)
+    w = torch.randn(300, 256, dtype=torch.bfloat16)
+    for kind in KINDS:
+        arenas = []
+        for limit in (10**9, 16 * 256 * 7):  # whole, and blocks of 7 rows
+            arena = Arena(torch.zeros(300 * row_bytes(kind, 256, torch.bfloat16),
+                                      dtype=torch.uint8), pinned=False)
+            _quantized_into(arena, 0, w, kind, torch.device("cpu"), limit)
+            arenas.append(arena.storage)
+        assert torch.equal(arenas[0], arenas[1])
+        assert torch.equal(arenas[0].view(300, -1), pack_rows(*codegen.nn.quantize_weight(
+            w, kind), kind))

@@ -312,8 +312,8 @@ class _State:
             out = self.streamer.call(index, x)
             if out is None:
                 out = self.streamer.unplanned(x, w, b, index)
-        if needs_grad:
-            out = _NoBackward.apply(out, x, f"codegen.nn.offload: {name}", self.quantize)
+        if needs_grad:  # the bias too: a backward that reaches it is refused as well
+            out = _NoBackward.apply(out, x, b, f"codegen.nn.offload: {name}", self.quantize)
         return out
 
     def run_cast(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
@@ -483,7 +483,37 @@ class OffloadedLinear(nn.Linear):
         # load_state_dict(assign=True) would put the loaded tensors in place of the arena's;
         # an offloaded weight takes the values into the arena instead.
         local_metadata = {**local_metadata, "assign_to_params_buffers": False}
-        super()._load_from_state_dict(state_dict, prefix, local_metadata, *args)
+        key = prefix + "weight"
+        loaded = state_dict.get(key)
+        if "weight_scale" not in self._buffers or not isinstance(loaded, torch.Tensor):
+            super()._load_from_state_dict(state_dict, prefix, local_metadata, *args)
+            return
+        # A quantized weight. Its own state dict (values and scales) loads as it is; the
+        # unquantized weight of a checkpoint is quantized into the arena; anything else is
+        # refused before any byte is written.
+        dtype, kind = self._dtype(), self._codegen.quantize
+        if loaded.dtype == self.weight.dtype and loaded.shape == self.weight.shape:
+            super()._load_from_state_dict(state_dict, prefix, local_metadata, *args)
+            return
+        if loaded.dtype != dtype or tuple(loaded.shape) != (self.out_features,
+                                                            self.in_features):
+            raise ValueError(
+                f"{self._where()}.weight is stored quantized to {kind}: it loads its own "
+                f"state dict ({self.weight.dtype} {tuple(self.weight.shape)} with "
+                f"weight_scale) or an unquantized weight ({dtype} "
+                f"{(self.out_features, self.in_features)}), which it quantizes; got "
+                f"{loaded.dtype} {tuple(loaded.shape)}")
+        rest = {k: v for k, v in state_dict.items() if k not in (key, prefix + "weight_scale")}
+        missing = args[1]  # (strict, missing_keys, unexpected_keys, error_msgs)
+        before = len(missing)
+        super()._load_from_state_dict(rest, prefix, local_metadata, *args)
+        missing[before:] = [k for k in missing[before:]
+                            if k not in (key, prefix + "weight_scale")]
+        q, scale = quantize_weight(loaded.to(self.weight_scale.device), kind)
+        values = pack_rows(q, scale, kind)[:, :self.weight.shape[1]]
+        with torch.no_grad():  # through the Parameter and buffer: their versions move
+            self.weight.copy_(values.view(self.weight.dtype))
+            self.weight_scale.copy_(scale.view(self.weight_scale.shape))
 
 
 class _NoBackward(torch.autograd.Function):
@@ -492,10 +522,10 @@ class _NoBackward(torch.autograd.Function):
     and the input's would need the dequantized weight kept)."""
 
     @staticmethod
-    def forward(ctx: Any, out: torch.Tensor, x: torch.Tensor, where: str,
-                kind: str) -> torch.Tensor:
+    def forward(ctx: Any, out: torch.Tensor, x: torch.Tensor, b: torch.Tensor | None,
+                where: str, kind: str) -> torch.Tensor:
         ctx.where, ctx.kind = where, kind
-        return out.view_as(out)
+        return out.clone()  # not a view: what follows may write it in place (ReLU(inplace))
 
     @staticmethod
     def backward(ctx: Any, *grads: Any) -> Any:
@@ -791,7 +821,8 @@ def offload(model: nn.Module, slices: int = 8, *, filter: Filter | None = None, 
             kind = quant[id(m)] if key == "weight" else None
             if kind is not None:
                 step = f"quantizing {_dotted(name, key)} to {kind} into the host arena"
-                held, scale = _quantized_into(arena, offset, t, kind, device)
+                held, scale = _quantized_into(arena, offset, t, kind, device,
+                                              staging_bytes or QUANTIZE_BLOCK_BYTES)
                 offloaded.add(id(scale))  # stays in the arena, not moved below
                 undo += [functools.partial(t.requires_grad_, t.requires_grad),
                          _restorer(m._buffers, "weight_scale"),
@@ -866,6 +897,10 @@ def offload(model: nn.Module, slices: int = 8, *, filter: Filter | None = None, 
     return model
 
 
+# GPU bytes the temporaries of quantizing a block of a weight's rows may take, where no
+# staging bounds them (a budget's staging does).
+QUANTIZE_BLOCK_BYTES = 256 * 2**20
+
 # The copy size of the plan by default. On the H200, the 4-layer Llama of
 # benchmarks/offload_llama.py ran its prefill of 512 tokens at 1.014 / 1.005 / 1.008 x the
 # copy floor with copies of 16 / 32 / 64 MiB, and its decode step at 1.010 / 1.005 / 1.005
@@ -890,17 +925,22 @@ def _resident(name: str, m: nn.Linear, quant: str | None = None) -> Resident:
 
 
 def _quantized_into(arena: Arena, offset: int, w: torch.Tensor, kind: str,
-                    device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+                    device: torch.device, limit: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantizes weight ``w`` on ``device`` (the GPU where there is one: an 8B model in
     seconds) and writes its rows, values then scales, into the arena from ``offset``;
     returns the values (float8_e4m3fn [out, in], or int4 packed two a byte, uint8 [out,
-    in / 2]) and the scales ([out], or [out, in / 128]), views of those rows."""
-    q, scale = quantize_weight(w.detach().to(device), kind)
-    rows = pack_rows(q, scale, kind)
-    out, row = rows.shape
+    in / 2]) and the scales ([out], or [out, in / 128]), views of those rows. Rows go to
+    the device in blocks whose temporaries (about 16 bytes an element) stay under
+    ``limit`` bytes: scales are per row or per group of a row, so blocks of rows quantize
+    exactly as the whole weight."""
+    out, inp = w.shape
+    row = quantized_row_bytes(kind, inp, w.dtype)
     raw = arena.storage[offset:offset + out * row].view(out, row)
-    raw.copy_(rows)
-    n = row - scale[0].numel() * scale.element_size() if out else 0
+    block = max(1, min(out, limit // (16 * max(inp, 1))))
+    for r in range(0, out, block):
+        q, scale = quantize_weight(w.detach()[r:r + block].to(device), kind)
+        raw[r:r + block].copy_(pack_rows(q, scale, kind))
+    n = inp if kind == "fp8" else inp // 2
     values = torch.from_dlpack(raw[:, :n])  # storages of their own (see Arena.tensor)
     scales = torch.from_dlpack(raw[:, n:]).view(w.dtype)
     if kind == "fp8":
@@ -912,9 +952,10 @@ def default_staging(layouts: list[Layout] | list[Resident]) -> int:
     """Half of the largest layer's offloaded bytes (layers named as ``_layer_of`` finds
     them; a model without numbered layers is one layer), and no more than a lap."""
     layers: dict[str, int] = {}
-    for lay in layouts:
+    for lay in layouts:  # a Resident's weight counts as it would be streamed
         key = _layer_of(lay.name)
-        layers[key] = layers.get(key, 0) + round_up(lay.weight_bytes, ALIGN)
+        nbytes = lay.streamed_weight_bytes if isinstance(lay, Resident) else lay.weight_bytes
+        layers[key] = layers.get(key, 0) + round_up(nbytes, ALIGN)
     lap = sum(layers.values())
     return max(round_up(min(max(layers.values(), default=0) // 2, lap), ALIGN), ALIGN)
 
@@ -948,7 +989,8 @@ def _streamer(chosen: list[tuple[str, nn.Linear]], arena: Arena, device: torch.d
     plan = dataclasses.replace(
         plan_stream(layouts, list(range(len(layouts))), ring, copy_bytes, bias_bytes),
         resident=resident, budget=budget, copy_gbps=copy_gbps)
-    return Streamer(plan, arena.storage, device, [(m.weight, m.bias) for _, m in chosen])
+    return Streamer(plan, arena.storage, device,  # a quantized weight's scales are watched too
+                    [(m.weight, m.bias, m._buffers.get("weight_scale")) for _, m in chosen])
 
 
 def report(model: nn.Module, *, reference: nn.Module | None = None,
@@ -971,9 +1013,10 @@ def report(model: nn.Module, *, reference: nn.Module | None = None,
         args = inputs if isinstance(inputs, tuple) else (inputs,)
         with torch.no_grad():
             got = _logits(model(*args)).float()
-            ref_device = next(reference.parameters()).device
-            want = _logits(reference(*(a.to(ref_device) if isinstance(a, torch.Tensor)
-                                       else a for a in args))).float().to(got.device)
+            first = next(iter(reference.parameters()), None)  # where the reference runs
+            want = _logits(reference(*(a.to(first.device) if isinstance(a, torch.Tensor)
+                                       and first is not None else a
+                                       for a in args))).float().to(got.device)
         error = ((got - want).abs().max() / want.abs().max().clamp(min=1e-30)).item()
     result = state.finish()
     if result is not None and error is not None:

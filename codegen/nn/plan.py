@@ -139,6 +139,11 @@ class Resident:
         return arena_row_bytes(self.quant, self.in_features, self.dtype)
 
     @property
+    def streamed_weight_bytes(self) -> int:
+        """Bytes of the weight in the arena, where it is streamed."""
+        return self.out_features * self.streamed_row_bytes
+
+    @property
     def nbytes(self) -> int:
         return self.weight_bytes + (self.out_features * self.dtype.itemsize if self.bias else 0)
 
@@ -468,10 +473,15 @@ def plan_stream(layouts: list[Layout] | tuple[Layout, ...], order: list[int] | t
 
 
 def least_staging(linears: list[Resident] | tuple[Resident, ...]) -> int:
-    """The least GPU memory that streaming every one of ``linears`` needs: a ring holding
-    one copy of the widest weight row, and the bias buffer."""
-    widest = max((lay.streamed_row_bytes for lay in linears), default=0)
-    return widest + ALIGN + _bias_block(linears)
+    """The least GPU memory that streaming every one of ``linears`` needs, as the caching
+    allocator hands it out: a ring holding one copy of the widest weight row, and the
+    bias buffer."""
+    return _allocated(least_ring(linears)) + _allocated(_bias_block(linears))
+
+
+def least_ring(linears: list[Resident] | tuple[Resident, ...]) -> int:
+    """The smallest ring a copy plan of ``linears`` takes: one copy of the widest row."""
+    return max((lay.streamed_row_bytes for lay in linears), default=0) + ALIGN
 
 
 def _bias_block(linears: list[Resident] | tuple[Resident, ...]) -> int:
@@ -480,19 +490,33 @@ def _bias_block(linears: list[Resident] | tuple[Resident, ...]) -> int:
     return sum(round_up(lay.nbytes - lay.weight_bytes, ALIGN) for lay in linears)
 
 
-# The caching allocator hands out multiples of this: what a resident weight costs.
+# The caching allocator hands out multiples of this: what each GPU tensor costs.
 _ALLOCATOR_ROUNDING = 512
+
+
+def _allocated(nbytes: int) -> int:
+    """GPU bytes a tensor of ``nbytes`` takes from the caching allocator."""
+    return round_up(nbytes, _ALLOCATOR_ROUNDING)
+
+
+def _resident_cost(lay: Resident) -> int:
+    """GPU bytes a resident Linear takes: its weight and its bias, each a tensor."""
+    bias = lay.nbytes - lay.weight_bytes
+    return _allocated(lay.weight_bytes) + (_allocated(bias) if bias else 0)
 
 
 def place(linears: list[Resident] | tuple[Resident, ...], budget: int, staging: int | None,
           default_staging: int) -> tuple[frozenset[int], int]:
-    """Which of ``linears`` (the offloadable ones, in forward order) stay on the GPU under
-    ``budget`` bytes, and the ring's bytes.
+    """Which of ``linears`` (the offloadable ones, in the order the arena lays them out:
+    registration order, the forward's where they agree) stay on the GPU under ``budget``
+    bytes, and the ring's bytes.
 
     Before: every Linear streamed. After: the indices of those kept resident, and a ring
     of ``staging`` bytes (default: ``default_staging``, or what the budget leaves for it).
-    Every bias is counted in the bias buffer, resident or not, so the resident weights,
-    the ring and the biases stay within ``budget`` whatever the split.
+    Every GPU tensor is counted as the caching allocator hands it out (in multiples of
+    512 bytes), and every bias in the bias buffer, resident or not, so the resident
+    weights and biases, the ring and the bias buffer stay within ``budget`` whatever the
+    split.
 
     What it optimizes: the bytes streamed a forward, least for the staging (a decode step
     takes as long as its copies), and their spread: the resident weights are picked at
@@ -500,9 +524,10 @@ def place(linears: list[Resident] | tuple[Resident, ...], budget: int, staging: 
     stretch of the forward streams about the same share of its bytes, and the copy engine
     keeps running under the GEMMs of the resident Linears between the streamed ones
     (what a long prefill needs). A budget that holds every Linear keeps them all, with no
-    staging; one below ``least_staging`` is refused with that minimum."""
-    total = sum(lay.nbytes for lay in linears)
-    if budget >= total:
+    staging; one below ``least_staging`` is refused with that minimum, and so is a
+    ``staging`` below the least ring or beyond what the budget holds."""
+    cost = [_resident_cost(lay) for lay in linears]
+    if budget >= sum(cost):
         return frozenset(range(len(linears))), 0
     least = least_staging(linears)
     if budget < least:
@@ -511,19 +536,24 @@ def place(linears: list[Resident] | tuple[Resident, ...], budget: int, staging: 
             f"below the least staging that streaming these weights needs: {least} bytes "
             f"({format_bytes(least)}: one copy of the widest weight row, and the biases); "
             f"give gpu_budget >= {least}")
-    biases = _bias_block(linears)
-    widest = least - ALIGN - biases
+    biases = _allocated(_bias_block(linears))
+    smallest = least_ring(linears)
     if staging is None:
-        ring = max(min(default_staging, budget - biases), widest + ALIGN)
-    elif staging + biases > budget:
+        ring = max(min(default_staging, (budget - biases) // _ALLOCATOR_ROUNDING
+                       * _ALLOCATOR_ROUNDING), smallest)
+    elif staging < smallest:
+        raise ValueError(
+            f"codegen.nn.offload: staging={staging} bytes cannot hold one copy of the widest "
+            f"streamed weight row; give staging >= {smallest} bytes, or leave it to the "
+            "budget")
+    elif _allocated(staging) + biases > budget:
         raise ValueError(
             f"codegen.nn.offload: staging={staging} bytes ({format_bytes(staging)}) and the "
             f"biases ({format_bytes(biases)}) exceed gpu_budget={budget} bytes "
             f"({format_bytes(budget)}); give a smaller staging, or leave it to the budget")
     else:
         ring = staging
-    capacity = budget - ring - biases
-    cost = [round_up(lay.weight_bytes, _ALLOCATOR_ROUNDING) for lay in linears]
+    capacity = budget - _allocated(ring) - biases
     share = capacity / max(sum(cost), 1)
     kept: set[int] = set()
     used, credit = 0, 0.0

@@ -77,15 +77,19 @@ def quantize_weight(w: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Ten
     if why is not None:
         raise ValueError(f"codegen.nn.quantize_weight: {why}")
     w = w.detach()
+    # A scale never below the dtype's smallest subnormal: a row (group) of zeros, or of
+    # magnitudes too small for their scale in fp16, gets one it can divide by (its values
+    # then quantize to 0 or to the largest that fits), never a scale that rounds to 0.
+    least = torch.finfo(w.dtype).tiny * torch.finfo(w.dtype).eps
     if kind == "fp8":
         amax = w.abs().amax(dim=1).float()
-        scale = (amax / FP8_MAX).clamp(min=torch.finfo(torch.float32).tiny).to(w.dtype)
+        scale = (amax / FP8_MAX).clamp(min=least).to(w.dtype)
         q = (w.float() / scale.float()[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
         return q, scale
     out, inp = w.shape
     grouped = w.float().view(out, inp // INT4_GROUP, INT4_GROUP)
     amax = grouped.abs().amax(dim=2)
-    scale = (amax / INT4_MAX).clamp(min=torch.finfo(torch.float32).tiny).to(w.dtype)
+    scale = (amax / INT4_MAX).clamp(min=least).to(w.dtype)
     q = torch.round(grouped / scale.float()[:, :, None]).clamp(-8, INT4_MAX)
     return q.to(torch.int8).view(out, inp), scale
 
