@@ -61,7 +61,7 @@ from typing import Any
 import torch
 
 import codegen.nn
-from benchmarks.common import RESULTS, bind, is_decoder_linear, rotated
+from benchmarks.common import RESULTS, bind, is_decoder_linear, median_ratio, peak_mib, rotated
 from benchmarks.offload_llama import DECODE_PROMPT, DecodeStep, LayerPrefetch, forward
 from codegen.nn.offload import _resident, default_staging
 from codegen.nn.plan import format_bytes, place
@@ -263,34 +263,14 @@ def rows_of(step: str, tokens: int, times: dict[str, list[float]],
         accel = (times.get(f"accelerate_p{percent}") if percent is not None and not suffix
                  else None)
         prefetch = times.get("prefetch")
-
-        def ratio(den: list[float] | None, t: list[float] = t) -> float | None:
-            return statistics.median(a / b for a, b in zip(t, den)) if den else None
-
         bound = ([max(f, g) for f, g in zip(floor, gpu)] if floor and gpu else floor)
         rows.append({"step": step, "tokens": tokens, "variant": v, "ms": statistics.median(t),
-                     "vs_floor": ratio(bound),
-                     "prefetch_over": (statistics.median(b / a for a, b in zip(t, prefetch))
-                                       if prefetch else None),
-                     "accelerate_over": (
-                         statistics.median(b / a for a, b in zip(t, accel)) if accel else None),
+                     "vs_floor": median_ratio(t, bound) if bound else None,
+                     "prefetch_over": median_ratio(prefetch, t) if prefetch else None,
+                     "accelerate_over": median_ratio(accel, t) if accel else None,
                      "rounds": len(t), **{k: x for k, x in built[v].facts.items()
                                           if not isinstance(x, float) or k.endswith("mib")}})
     return rows
-
-
-def forward_peaks(calls: dict[str, Callable[[], Any]]) -> dict[str, float]:
-    """Each call's peak GPU memory above what was allocated before it, MiB."""
-    peaks = {}
-    for v, fn in calls.items():
-        torch.cuda.synchronize()
-        base = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-        out = fn()
-        torch.cuda.synchronize()
-        peaks[v] = (torch.cuda.max_memory_allocated() - base) / 2**20
-        del out
-    return peaks
 
 
 def table(rows: list[dict[str, Any]]) -> str:
@@ -447,7 +427,7 @@ def main(argv: list[str] | None = None) -> int:
                 calls = {v: b.call or bind(forward, b.model, ids) for v, b in built.items()}
             times = timed(calls, args.rounds)
             step_rows = rows_of(step, tokens, times, built)
-            peaks = forward_peaks({v: calls[v] for v in models})
+            peaks = {v: peak_mib(calls[v]) for v in models}
             for r in step_rows:
                 if r["variant"] in peaks and "gpu" in peaks:
                     r["forward_extra_mib"] = peaks[r["variant"]] - peaks["gpu"]

@@ -66,3 +66,14 @@ def tiny_llama(dtype=torch.float32, seed=0, *, layers=2, hidden=64, intermediate
         max_position_embeddings=max_positions, tie_word_embeddings=tie)
     torch.manual_seed(seed)
     return transformers.LlamaForCausalLM(config).to(dtype).eval()
+
+
+def assert_same_greedy_generate(model, ref, prompt, new_tokens):
+    """``model`` and ``ref`` generate the same ``new_tokens`` greedy tokens after
+    ``prompt`` ([1, n] token ids)."""
+    mask = torch.ones_like(prompt)
+    got = model.generate(prompt, attention_mask=mask, max_new_tokens=new_tokens,
+                         do_sample=False)
+    want = ref.generate(prompt, attention_mask=mask, max_new_tokens=new_tokens,
+                        do_sample=False)
+    assert torch.equal(got, want), (got, want)

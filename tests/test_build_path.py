@@ -336,7 +336,7 @@ def test_a_failed_compile_that_left_an_object_is_not_taken_for_a_link_error(
     with pytest.raises(cg.BuildError, match=r"building stray_probe failed: .*no_such_input") \
             as e:
         jit.build_library("stray_probe", PLAIN_PROGRAM.format(name="stray"),
-                              full_torch=True)
+                          full_torch=True)
     assert not isinstance(e.value, jit.extension._LinkError)
     (folder,) = tmp_path.glob("stray_probe-*")
     assert (folder / "stray_probe.o").is_file()  # what made it look like a link error
@@ -383,7 +383,7 @@ def test_a_link_that_fails_without_gold_too_leaves_gold_on(tmp_path, monkeypatch
     with pytest.raises(cg.BuildError, match=r"building link_probe failed: .*ld.*cannot find "
                                             r"-lcodegen_no_such_lib"):
         jit.build_library("link_probe", PLAIN_PROGRAM.format(name="link"),
-                              full_torch=True)
+                          full_torch=True)
     assert not jit.compiler._gold_failed.is_set()
     assert jit.compiler.GOLD in jit.compiler.toolchain().ldflags
     (folder,) = tmp_path.glob("link_probe-*")
@@ -432,7 +432,7 @@ def test_an_interrupted_build_stops_its_compiler(tmp_path, monkeypatch, fake_cxx
     monkeypatch.setenv("CODEGEN_CACHE_DIR", str(tmp_path / "cache"))
     with interrupted_when_parked(parked):
         jit.build_library("interrupted_probe", PLAIN_PROGRAM.format(name="interrupted"),
-                              full_torch=True)
+                          full_torch=True)
     hung = parked.running()
     assert hung and not wait_until_exited(hung)
 
@@ -637,7 +637,7 @@ def test_a_new_cache_is_private_whatever_the_umask(tmp_path, monkeypatch):
     umask = os.umask(0)
     try:
         library = jit.build_library("private_probe", PLAIN_PROGRAM.format(name="private"),
-                                        full_torch=True)
+                                    full_torch=True)
     finally:
         os.umask(umask)
     assert library.parent.parent == root

@@ -8,7 +8,7 @@ import copy
 
 import pytest
 import torch
-from helpers import tiny_llama
+from helpers import assert_same_greedy_generate, tiny_llama
 from torch import nn
 
 import codegen.nn
@@ -140,11 +140,7 @@ def test_forwards_and_generate_match_the_original_at_every_budget(share):
     r = codegen.nn.report(model)
     assert r.unplanned_calls == 0 and r.linears == len(streamed)
     assert r.bytes_moved == plan.streamed_bytes
-    ids = torch.randint(0, 97, (1, 5))
-    mask = torch.ones_like(ids)
-    assert torch.equal(
-        model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False),
-        ref.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False))
+    assert_same_greedy_generate(model, ref, torch.randint(0, 97, (1, 5)), 5)
 
 
 def test_the_plan_says_what_is_resident_and_streamed_and_what_a_forward_costs():

@@ -11,7 +11,7 @@ import threading
 
 import pytest
 import torch
-from helpers import tiny_llama
+from helpers import assert_same_greedy_generate, tiny_llama
 from torch import nn
 
 import codegen
@@ -185,11 +185,7 @@ def test_forwards_and_generate_match_the_original(staging, copy_size):
     assert r.unplanned_calls == 0 and r.linears == 15
     assert r.copies == sum(1 for s in r.plan.spans)
     assert r.staging_bytes == r.plan.ring_bytes
-    ids = torch.randint(0, 97, (1, 6))
-    mask = torch.ones_like(ids)
-    assert torch.equal(
-        model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False),
-        ref.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False))
+    assert_same_greedy_generate(model, ref, torch.randint(0, 97, (1, 6)), 6)
 
 
 def test_the_default_staging_is_half_the_largest_layer():

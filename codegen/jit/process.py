@@ -253,12 +253,13 @@ def _kill_tree(roots: list[int]) -> tuple[set[int], set[int]]:
 
 
 def _kill_builds_in(folder: str, since: int) -> tuple[set[int], set[int]]:
-    """SIGKILLs the processes of this session started from ``since`` (``_ticks_since_boot``)
-    that work in ``folder`` (the ninja that cpp_extension runs there, and the compilers
-    ninja started, which go on after ninja is killed: each runs in a process group of its
-    own), with everything under them and their groups; returns (pids, process groups)
-    killed. A process of another session, or one that was there before the build (a
-    shell whose folder it is), is not the build's."""
+    """SIGKILLs the processes of this process's session (``os.getsid``) started from
+    ``since`` (``_ticks_since_boot``) that work in ``folder`` (the ninja that
+    cpp_extension runs there, and the compilers ninja started, which go on after ninja is
+    killed: each runs in a process group of its own), with everything under them and
+    their groups; returns (pids, process groups) killed. A process of another process
+    session, or one that was there before the build (a shell whose folder it is), is not
+    the build's."""
     session, me = os.getsid(0), os.getpid()
     roots = []
     for p in _processes():

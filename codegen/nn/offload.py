@@ -71,6 +71,7 @@ from .plan import (
     Layout,
     Resident,
     StreamPlan,
+    arena_row_bytes,
     parse_bytes,
     place,
     plan_stream,
@@ -270,11 +271,13 @@ class _State:
     def run(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
         key = (w.dtype, b is not None)
         args = [x, w] + ([b] if b is not None else [])
-        if self.current is not None:
-            self.current.calls += 1
-            self.current.bytes += sum(t.numel() * t.element_size() for t in args[1:])
-        needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in args)
         name = self.quantized.get(id(w))
+        if self.current is not None:  # a quantized weight moves its values and scales
+            self.current.calls += 1
+            self.current.bytes += (b.numel() * b.element_size() if b is not None else 0) + (
+                self.streamer.plan.layouts[self.index_of[id(w)]].weight_bytes  # type: ignore[union-attr]
+                if name is not None else w.numel() * w.element_size())
+        needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in args)
         if name is not None:
             return self._run_quantized(x, w, b, name, needs_grad)
         if self.streamer is not None and not needs_grad:
@@ -305,9 +308,6 @@ class _State:
         gradient; a backward through the call is refused by name (``_NoBackward``)."""
         assert self.streamer is not None  # quantize needs prefetch
         index = self.index_of[id(w)]
-        if self.current is not None:  # the quantized bytes and scales replace the values
-            lay = self.streamer.plan.layouts[index]
-            self.current.bytes += lay.weight_bytes - w.numel() * w.element_size()
         with torch.no_grad():
             out = self.streamer.call(index, x)
             if out is None:
@@ -431,23 +431,24 @@ class OffloadedLinear(nn.Linear):
                              f"{tuple(x.shape)}, weight shape {tuple(self.weight.shape)})")
         compute = self._codegen.device.type
         dtype = self._dtype()
+        quantized = dtype is not self.weight.dtype
+        out_dtype = None  # under autocast, a quantized Linear's output in autocast's dtype
         if torch.is_autocast_enabled(compute) and x.is_floating_point():
             autocast = torch.get_autocast_dtype(compute)
-            if dtype is not self.weight.dtype:  # quantized: computes in the weights' dtype
-                flat = x.to(dtype).flatten(0, -2) if x.dim() > 1 else x.to(dtype).unsqueeze(0)
-                out = self._codegen.run(flat, self.weight, self.bias).to(autocast)
-                return out.reshape(*x.shape[:-1], out.shape[-1])
-            if autocast != dtype:  # fp32 master weights under bf16 autocast
+            if quantized:  # it computes in its weights' original dtype
+                x, out_dtype = x.to(dtype), autocast
+            elif autocast != dtype:  # fp32 master weights under bf16 autocast
                 return self._codegen.run_cast(x.to(autocast), self.weight, self.bias, autocast)
-            x = x.to(autocast)
+            else:
+                x = x.to(autocast)
         if x.dtype != dtype:
             raise ValueError(f"{self._where()}: the weight is {dtype}"
-                             + (f" (streamed as {self._codegen.quantize})"
-                                if dtype is not self.weight.dtype else "")
+                             + (f" (streamed as {self._codegen.quantize})" if quantized else "")
                              + f", the input {x.dtype}; cast the input (as the model would "
                              "for a GPU-resident weight)")
         flat = x.flatten(0, -2) if x.dim() > 1 else x.unsqueeze(0)
         out = self._codegen.run(flat, self.weight, self.bias)
+        out = out.to(out_dtype) if out_dtype is not None else out
         return out.reshape(*x.shape[:-1], out.shape[-1])
 
     def _where(self) -> str:
@@ -792,11 +793,9 @@ def offload(model: nn.Module, slices: int = 8, *, filter: Filter | None = None, 
     tensors = ([(name, m, "bias") for name, m in chosen if m.bias is not None]
                + [(name, m, "weight") for name, m in chosen])
     def arena_bytes(m: nn.Linear, key: str) -> int:
-        kind = quant[id(m)] if key == "weight" else None
-        if kind is not None:  # rows of values and scales
-            return m.out_features * quantized_row_bytes(kind, m.in_features, m.weight.dtype)
-        t = getattr(m, key)
-        return t.numel() * t.element_size()
+        if key == "weight":  # rows of values, or of quantized values and their scales
+            return m.out_features * arena_row_bytes(quant[id(m)], m.in_features, m.weight.dtype)
+        return m.bias.numel() * m.bias.element_size()
 
     total = sum(round_up(arena_bytes(m, key), ALIGN) for _, m, key in tensors)
     arena = Arena(torch.empty(total, dtype=torch.uint8), pinned=False)
@@ -952,10 +951,9 @@ def default_staging(layouts: list[Layout] | list[Resident]) -> int:
     """Half of the largest layer's offloaded bytes (layers named as ``_layer_of`` finds
     them; a model without numbered layers is one layer), and no more than a lap."""
     layers: dict[str, int] = {}
-    for lay in layouts:  # a Resident's weight counts as it would be streamed
+    for lay in layouts:  # each weight as it is streamed (quantized, where it is)
         key = _layer_of(lay.name)
-        nbytes = lay.streamed_weight_bytes if isinstance(lay, Resident) else lay.weight_bytes
-        layers[key] = layers.get(key, 0) + round_up(nbytes, ALIGN)
+        layers[key] = layers.get(key, 0) + round_up(lay.streamed_weight_bytes, ALIGN)
     lap = sum(layers.values())
     return max(round_up(min(max(layers.values(), default=0) // 2, lap), ALIGN), ALIGN)
 

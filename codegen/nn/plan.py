@@ -117,6 +117,10 @@ class Layout:
     def nbytes(self) -> int:
         return self.weight_bytes + self.bias_bytes
 
+    @property
+    def streamed_weight_bytes(self) -> int:
+        return self.weight_bytes
+
 
 @dataclasses.dataclass(frozen=True)
 class Resident:

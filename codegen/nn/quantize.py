@@ -29,7 +29,8 @@ INT4_MAX = 7
 
 
 def check_format(kind: object) -> str | None:
-    """``kind`` if it names a format (or is None), else a ValueError naming the choices."""
+    """offload's ``quantize``: ``kind`` if it names a format (or is None), else a
+    ValueError naming the choices."""
     if kind is None or kind in FORMATS:
         return kind  # type: ignore[return-value]
     raise ValueError(f"codegen.nn.offload: quantize must be None, 'fp8' or 'int4', got "
@@ -67,9 +68,9 @@ def quantize_weight(w: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Ten
     [-8, 7] (unpacked: the arena packs two a byte) and ``scale`` [out, in / 128]. ``scale``
     is in ``w``'s dtype; ``q.to(dtype) * scale`` (broadcast over each group) approximates
     ``w``. Runs where ``w`` is (a GPU quantizes an 8B model's weights in seconds)."""
-    check_format(kind)
-    if kind is None:
-        raise ValueError("codegen.nn.quantize_weight: kind must be 'fp8' or 'int4', got None")
+    if kind is None or kind not in FORMATS:
+        raise ValueError(f"codegen.nn.quantize_weight: kind must be 'fp8' or 'int4', got "
+                         f"{kind!r}")
     if w.dim() != 2:
         raise ValueError(f"codegen.nn.quantize_weight: expected a 2-D weight [out, in], got "
                          f"shape {tuple(w.shape)}")
