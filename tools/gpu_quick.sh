@@ -3,6 +3,10 @@
 # copy floor). Everything it prints also goes to $OUT.
 #   bash tools/gpu_quick.sh                            all GPU tests first
 #   bash tools/gpu_quick.sh tests/test_layers_gpu.py   a subset
+#   JOBS=3 bash tools/gpu_quick.sh                     the GPU tests in 3 processes at once
+#                                                      (correctness only: they share the GPU)
+#   LAYERS=0 bash tools/gpu_quick.sh                   without the layer benchmarks
+#   TESTS=0 bash tools/gpu_quick.sh                    without the GPU tests
 #   BENCH="copy matmul" bash tools/gpu_quick.sh        also benchmarks.bench_copy / bench_matmul
 #   BENCH=offload bash tools/gpu_quick.sh              also offload_llama (prefill, decode eager
 #                                                      and replayed, generate) and where the
@@ -13,11 +17,35 @@ export CODEGEN_CACHE_DIR=${CODEGEN_CACHE_DIR:-/tmp/cgc2} PYTHONUNBUFFERED=1 NCCL
 export PYTHONPATH=.
 OUT=${OUT:-/tmp}; mkdir -p $OUT/bm
 nvidia-smi --query-gpu=name,driver_version,power.limit --format=csv,noheader
-timeout ${TEST_S:-330} python3 -X faulthandler -m pytest -m gpu -q -p no:cacheprovider \
-  --tb=short -rfEs "$@" > $OUT/gpu.log 2>&1; echo "pytest exit $?"
+if [ "${TESTS:-1}" = 0 ]; then
+  : > $OUT/gpu.log
+elif [ "${JOBS:-1}" -gt 1 ]; then
+  # The GPU test files split into JOBS pytest processes, balanced by test count, each with
+  # its own build cache; their logs are joined into gpu.log.
+  python3 -m pytest -m gpu --collect-only -q -p no:cacheprovider "$@" 2>/dev/null \
+    | python3 -c '
+import collections, sys
+jobs = int(sys.argv[1]); counts = collections.Counter(
+    line.split("::")[0] for line in sys.stdin if "::" in line)
+groups = [[] for _ in range(jobs)]; load = [0] * jobs
+for name, n in counts.most_common():
+    i = load.index(min(load)); groups[i].append(name); load[i] += n
+for g in groups: print(" ".join(g))' "$JOBS" > $OUT/gpu_groups.txt
+  i=0; while read -r files; do i=$((i+1))
+    CODEGEN_CACHE_DIR=$CODEGEN_CACHE_DIR/job$i timeout ${TEST_S:-330} python3 -X faulthandler \
+      -m pytest -m gpu -q -p no:cacheprovider --tb=short -rfEs $files > $OUT/gpu.$i.log 2>&1 &
+  done < $OUT/gpu_groups.txt
+  wait; cat $OUT/gpu.*.log > $OUT/gpu.log; rm $OUT/gpu.*.log $OUT/gpu_groups.txt
+  echo "pytest: $JOBS processes"
+else
+  timeout ${TEST_S:-330} python3 -X faulthandler -m pytest -m gpu -q -p no:cacheprovider \
+    --tb=short -rfEs "$@" > $OUT/gpu.log 2>&1; echo "pytest exit $?"
+fi
 grep -E "^(FAILED|ERROR)|passed|failed" $OUT/gpu.log | tail -40
-timeout ${LAYERS_S:-100} python3 -m benchmarks.bench_layers --out $OUT $LAYERS_ARGS 2>&1 | tee $OUT/layers.log | tail -12
-timeout ${OFFLOAD_S:-150} python3 -m benchmarks.mlp_offload --out $OUT 2>&1 | tee $OUT/mlp_offload.log | tail -32
+if [ "${LAYERS:-1}" = 1 ]; then
+  timeout ${LAYERS_S:-100} python3 -m benchmarks.bench_layers --out $OUT $LAYERS_ARGS 2>&1 | tee $OUT/layers.log | tail -12
+  timeout ${OFFLOAD_S:-150} python3 -m benchmarks.mlp_offload --out $OUT 2>&1 | tee $OUT/mlp_offload.log | tail -32
+fi
 case " $BENCH " in *" copy "*)
   timeout ${COPY_S:-150} python3 -m benchmarks.bench_copy --rounds ${COPY_ROUNDS:-9} --out $OUT 2>&1 | tee $OUT/copy.log | tail -22;;
 esac
