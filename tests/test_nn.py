@@ -78,7 +78,7 @@ def test_filter_narrows_and_the_report_counts_what_ran():
     assert set(r.as_dict()) == {"linears", "bytes_moved", "forward_ms", "gbps", "copy_floor_ms",
                                 "copy_gbps", "floor_share", "beyond_floor_ms", "copies",
                                 "mean_copy_bytes", "exposed_copy_ms", "staging_bytes",
-                                "unplanned_calls", "quantize", "logits_error"}
+                                "unplanned_calls", "restart", "quantize", "logits_error"}
     assert r.copies == len(r.plan.spans) and r.unplanned_calls == 0
     assert (f"2 Linear calls read 81.920 KB of host weights in {r.copies} copies"  # 2*64*160*4
             in r.line())

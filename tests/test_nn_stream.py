@@ -258,7 +258,10 @@ def test_a_forward_that_raises_halfway_leaves_the_next_one_right():
             model(ids)
         boom.remove()
         torch.testing.assert_close(model(ids).logits, ref(ids).logits, rtol=1e-5, atol=1e-5)
+        assert codegen.nn.report(model).restart == (
+            "the last forward did not end (it raised, or this one began inside it)")
         torch.testing.assert_close(model(ids).logits, ref(ids).logits, rtol=1e-5, atol=1e-5)
+        assert codegen.nn.report(model).restart is None
 
 
 def test_a_weight_written_in_place_between_forwards_is_read_new():
@@ -274,6 +277,9 @@ def test_a_weight_written_in_place_between_forwards_is_read_new():
             m.weight.mul_(-1)
             r.weight.mul_(-1)
         torch.testing.assert_close(model(ids).logits, ref(ids).logits, rtol=1e-5, atol=1e-5)
+        assert codegen.nn.report(model).restart == "a weight was written in place"
+        torch.testing.assert_close(model(ids).logits, ref(ids).logits, rtol=1e-5, atol=1e-5)
+        assert codegen.nn.report(model).restart is None
 
 
 def test_a_second_threads_forward_runs_off_the_plan_and_right():

@@ -119,6 +119,15 @@ def generate(model: torch.nn.Module, config: str, n: int) -> None:
     print(f"{config}, generate {n}: {per_token:.2f} ms per token; host per forward "
           f"{', '.join(f'{h * 1e3:.1f}' for h in host)} ms; last forward: {r.line()}; "
           f"unplanned calls {r.unplanned_calls}")
+    # Each forward's report (reading it synchronizes, as generate does at every token).
+    reports: list[codegen.nn.Report] = []
+    hook = model.register_forward_hook(lambda *a: reports.append(codegen.nn.report(model)))
+    run(4)
+    hook.remove()
+    for k, f in enumerate(reports):
+        print(f"  forward {k}: {f.forward_ms:.2f} ms, floor {f.copy_floor_ms:.2f} ms, "
+              f"waited {f.exposed_copy_ms:.2f} ms for copies, {f.copies} copies, "
+              f"{f.unplanned_calls} unplanned calls, restart: {f.restart}")
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
                  with_stack=True) as prof:
         run(4)

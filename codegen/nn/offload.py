@@ -146,7 +146,9 @@ class Report:
     copies (timed around each wait; 0 on the CPU and in a captured forward);
     ``staging_bytes``: the GPU memory the copies go through; ``unplanned_calls``: calls
     that ran off the copy plan (each weight copied whole: the first forward of a new call
-    order, a call that needs gradients, a second thread's forward). ``quantize``: the
+    order, a call that needs gradients, a second thread's forward); ``restart``: why the
+    copy stream started over at this forward's start, dropping what it had copied ahead
+    (None where it read the copies queued during the forward before). ``quantize``: the
     weights' format in the arena (``bytes_moved`` counts their quantized bytes and
     scales); ``logits_error``: where ``report`` was given a reference model and inputs,
     max |logits - reference logits| / max |reference logits|. ``plan``: the copy plan
@@ -165,6 +167,7 @@ class Report:
     exposed_copy_ms: float = 0.0
     staging_bytes: int = 0
     unplanned_calls: int = 0
+    restart: str | None = None
     quantize: str | None = None
     logits_error: float | None = None
     plan: StreamPlan | None = dataclasses.field(default=None, repr=False, compare=False)
@@ -406,6 +409,7 @@ class _State:
             exposed_copy_ms=copies.exposed_ms() if copies is not None else 0.0,
             staging_bytes=plan.staging_bytes if plan is not None else 0,
             unplanned_calls=copies.unplanned_calls if copies is not None else 0,
+            restart=copies.restart if copies is not None else None,
             quantize=self.quantize, plan=plan)
         return self.last
 

@@ -186,6 +186,7 @@ class ForwardCopies:
     bytes: int = 0
     planned_calls: int = 0
     unplanned_calls: int = 0
+    restart: str | None = None  # why the copy stream started over at this forward's start
     read: set[tuple[int, int]] = dataclasses.field(default_factory=set)  # (lap, span)
     probes: list[tuple[Any, Any]] = dataclasses.field(default_factory=list)
 
@@ -357,28 +358,40 @@ class Streamer:
         stream = self.backend.current()
         capturing = self.backend.capturing()
         versions = self._versions()
-        stale = (self.active == me or self.cursor != 0 or self.off_plan
-                 or versions != self.versions)
+        restart = self._stale(me, versions)
         self.active = me
         self.versions = versions
         if capturing:
             self.graphs = True
             self.backend.order(self.backend.copy_stream, stream)  # the copies join the capture
-            if stale or self.last_captured:
+            if restart is not None:
                 self._restart(stream)
             else:  # the capture begins on an idle GPU: what was queued before has run
                 self.settled = self.issued
                 self.skip_before = self.lap
-        elif stale or self.last_captured:
+        elif restart is not None:
             self._restart(stream)
         self.capturing = capturing
         self.off_plan = False
         self.observed = []
         self.forwards += 1
         self.probe_used = 0
-        self.now = ForwardCopies()
+        self.now = ForwardCopies(restart=restart)
         self._pump()
         return True
+
+    def _stale(self, me: int, versions: int) -> str | None:
+        """Why a forward that begins now cannot read what is queued (the copy stream
+        starts over), or None where it can."""
+        if self.active == me:
+            return "the last forward did not end (it raised, or this one began inside it)"
+        if self.off_plan or self.cursor != 0:
+            return "the last forward left the copy plan"
+        if versions != self.versions:
+            return "a weight was written in place"
+        if self.last_captured:
+            return "the last forward was captured in a CUDA graph"
+        return None
 
     def end(self) -> ForwardCopies | None:
         """The root module's forward ended (in this thread); what its calls read."""
