@@ -57,5 +57,5 @@ case " $BENCH " in *" offload "*)
   timeout ${GAPS_S:-150} python3 -m benchmarks.probes.offload_copy_gaps --generate 8 --configs default 2>&1 | grep -v -i warn | tee $OUT/offload_gaps.log | head -60;;
 esac
 case " $BENCH " in *" budget "*)
-  timeout ${BUDGET_S:-420} python3 -m benchmarks.offload_budget --tokens ${BUDGET_TOKENS:-512,4096,1} --generate ${BUDGET_GENERATE:-3} --rounds ${BUDGET_ROUNDS:-2} --quantize fp8,int4 --out $OUT 2>&1 | tee $OUT/offload_budget.log | grep -v "^set up" | tail -60;;
+  timeout ${BUDGET_S:-420} python3 -m benchmarks.offload_budget --tokens ${BUDGET_TOKENS:-512,4096,1} --generate ${BUDGET_GENERATE:-3} --rounds ${BUDGET_ROUNDS:-2} --quantize fp8,int4 $BUDGET_ARGS --out $OUT 2>&1 | tee $OUT/offload_budget.log | grep -v "^set up" | tail -60;;
 esac
