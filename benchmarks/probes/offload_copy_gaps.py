@@ -20,6 +20,9 @@ forward pre-hook to its hook) and the last forward's report.
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
+import pstats
 import time
 
 import torch
@@ -119,6 +122,22 @@ def generate(model: torch.nn.Module, config: str, n: int) -> None:
     print(f"{config}, generate {n}: {per_token:.2f} ms per token; host per forward "
           f"{', '.join(f'{h * 1e3:.1f}' for h in host)} ms; last forward: {r.line()}; "
           f"unplanned calls {r.unplanned_calls}")
+    # The same forwards without generate: offload_llama's decode step, back to back.
+    from benchmarks.offload_llama import DecodeStep
+
+    step = DecodeStep(model, prompt, prompt[:, -1:])
+    host.clear()
+    for _ in range(6):
+        step()
+    torch.cuda.synchronize()
+    print(f"  decode step, back to back: host per forward "
+          f"{', '.join(f'{h * 1e3:.1f}' for h in host)} ms")
+    host.clear()
+    for _ in range(6):
+        step()
+        torch.cuda.synchronize()
+    print(f"  decode step, synchronized after each: host per forward "
+          f"{', '.join(f'{h * 1e3:.1f}' for h in host)} ms")
     # Each forward's report (reading it synchronizes, as generate does at every token).
     reports: list[codegen.nn.Report] = []
     hook = model.register_forward_hook(lambda *a: reports.append(codegen.nn.report(model)))
@@ -128,6 +147,16 @@ def generate(model: torch.nn.Module, config: str, n: int) -> None:
         print(f"  forward {k}: {f.forward_ms:.2f} ms, floor {f.copy_floor_ms:.2f} ms, "
               f"waited {f.exposed_copy_ms:.2f} ms for copies, {f.copies} copies, "
               f"{f.unplanned_calls} unplanned calls, restart: {f.restart}")
+    # Where the host's time goes in Python (the torch profiler sees only torch's ops and
+    # CUDA calls): the functions that took longest, themselves and with what they call.
+    stats = io.StringIO()
+    profiler = cProfile.Profile()
+    profiler.enable()
+    run(4)
+    profiler.disable()
+    for order in ("tottime", "cumulative"):
+        pstats.Stats(profiler, stream=stats).sort_stats(order).print_stats(25)
+    print("\n".join(line for line in stats.getvalue().splitlines() if line.strip()))
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
                  with_stack=True) as prof:
         run(4)
