@@ -246,3 +246,39 @@ def test_quantized_linears_match_the_dequantized_reference_on_the_gpu(kind):
             assert ((got - expect).norm() / expect.norm()).item() < 2e-2
     r = codegen.nn.report(model, reference=ref.cuda(), inputs=ids)
     assert r.quantize == kind and r.unplanned_calls == 0 and 0 < r.logits_error < 0.5
+
+
+@pytest.mark.parametrize("kind", ["fp8", "int4"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_the_fused_dequantization_kernel_equals_torchs_ops_bit_for_bit(kind, dtype):
+    """The GPU's one-kernel dequantization of arena rows (a piece at an offset in a ring, as
+    the streamer reads them) equals the eager torch ops and the reference exactly: every
+    byte pattern of the values (fp8's NaNs and subnormals, every nibble), scales from
+    quantize_weight."""
+    from codegen.nn.quantize import (
+        _fused,
+        dequantize_reference,
+        pack_rows,
+        row_bytes,
+        unpack_rows,
+        unpack_rows_eager,
+    )
+
+    torch.manual_seed(3)
+    rows, features = 96, 512
+    w = torch.randn(rows, features, dtype=dtype, device="cuda")
+    q, scale = codegen.nn.quantize_weight(w, kind)
+    packed = pack_rows(q, scale, kind)
+    values = features if kind == "fp8" else features // 2
+    packed[:, :values] = torch.arange(rows * values, device="cuda").view(rows, values) % 256
+    ring = torch.zeros(512 + packed.numel(), dtype=torch.uint8, device="cuda")
+    ring[512:] = packed.flatten()
+    raw = ring[512:].view(rows, row_bytes(kind, features, dtype))
+    got, eager = _fused(raw, kind, features, dtype), unpack_rows_eager(raw, kind, features, dtype)
+    assert got.dtype == dtype and got.shape == (rows, features) and got.is_contiguous()
+    torch.testing.assert_close(got, eager, rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(unpack_rows(raw[10:50], kind, features, dtype), eager[10:50],
+                               rtol=0, atol=0, equal_nan=True)
+    # And against the definition, for quantize_weight's own values.
+    raw = pack_rows(q, scale, kind)
+    assert torch.equal(_fused(raw, kind, features, dtype), dequantize_reference(q, scale, dtype))

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import gc
 import io
 import pstats
 import time
@@ -97,6 +98,49 @@ def main() -> None:
         torch.cuda.empty_cache()
 
 
+def conditions(model: torch.nn.Module, prompt: torch.Tensor, host: list[float],
+               n: int, rounds: int = 3) -> None:
+    """Greedy generate's ms per token (``n`` tokens over 1) and host per forward under
+    each condition, interleaved over ``rounds``: as is; without the timing events around
+    each wait for a copy; with Python's garbage collector off; without an attention mask
+    (transformers then builds none)."""
+    streamer = model._codegen_offload.streamer
+
+    def timed(tokens: int, mask: torch.Tensor | None) -> float:
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        model.generate(prompt, attention_mask=mask, max_new_tokens=tokens,
+                       min_new_tokens=tokens, do_sample=False)
+        torch.cuda.synchronize()
+        return (time.perf_counter() - start) * 1e3
+
+    def run(name: str) -> tuple[float, list[float]]:
+        mask = None if name == "no mask" else torch.ones_like(prompt)
+        streamer.probe_waits = name != "no wait probes"
+        if name == "gc off":
+            gc.disable()
+        try:
+            one = timed(1, mask)
+            host.clear()
+            ms = (timed(n + 1, mask) - one) / n
+            return ms, list(host)
+        finally:
+            gc.enable()
+            streamer.probe_waits = True
+
+    names = ["as is", "no wait probes", "gc off", "no mask"]
+    results: dict[str, list[tuple[float, list[float]]]] = {k: [] for k in names}
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            results[name].append(run(name))
+    for name in names:
+        ms = sorted(m for m, _ in results[name])
+        hosts = [h * 1e3 for _, hs in results[name] for h in hs[2:]]
+        print(f"  condition {name:15}: {ms[len(ms) // 2]:.2f} ms per token (of "
+              f"{', '.join(f'{m:.1f}' for m in ms)}); host per decode forward median "
+              f"{sorted(hosts)[len(hosts) // 2]:.1f} ms, max {max(hosts):.1f} ms")
+
+
 def generate(model: torch.nn.Module, config: str, n: int) -> None:
     """Greedy generate of ``n`` tokens after a 512-token prompt: ms per token, the host
     time of each forward, the last forward's report, and the copy engine's gaps."""
@@ -115,6 +159,23 @@ def generate(model: torch.nn.Module, config: str, n: int) -> None:
         return (time.perf_counter() - start) * 1e3
 
     run(2)
+    conditions(model, prompt, host, n)
+    # Where in a forward the host's time goes: before the first decoder layer, the layers
+    # and lm_head, after lm_head (each a wall-clock stamp from a hook).
+    stamps: list[float] = []
+    handles = [model.register_forward_pre_hook(lambda *a: stamps.append(time.perf_counter())),
+               model.model.layers[0].register_forward_pre_hook(
+                   lambda *a: stamps.append(time.perf_counter())),
+               model.lm_head.register_forward_hook(
+                   lambda *a: stamps.append(time.perf_counter())),
+               model.register_forward_hook(lambda *a: stamps.append(time.perf_counter()))]
+    run(n + 1)
+    for h in handles:
+        h.remove()
+    phases = [[(b - a) * 1e3 for a, b in zip(stamps[k:k + 4], stamps[k + 1:k + 4])]
+              for k in range(0, len(stamps) - 3, 4)]
+    print("  host phases per forward (before layer 0, layers and lm_head, after), ms: "
+          + "; ".join(", ".join(f"{x:.1f}" for x in f) for f in phases))
     one = run(1)
     host.clear()
     per_token = (run(n + 1) - one) / n

@@ -19,6 +19,9 @@ the scales it needs and a copy plan cuts quantized weights exactly as it cuts ot
 
 from __future__ import annotations
 
+import logging
+from typing import Any
+
 import torch
 
 FORMATS = ("fp8", "int4")
@@ -124,7 +127,67 @@ def unpack_rows(raw: torch.Tensor, kind: str, in_features: int,
                 dtype: torch.dtype) -> torch.Tensor:
     """The weight rows (``dtype`` [rows, in_features]) of raw arena rows (uint8 [rows,
     row_bytes], a view of the staging or a copy): ``dequantize_reference`` of what
-    ``pack_rows`` stored, run where ``raw`` is."""
+    ``pack_rows`` stored, run where ``raw`` is: on a GPU in one fused kernel
+    (:func:`_fused`), elsewhere with torch's ops (:func:`unpack_rows_eager`)."""
+    if raw.is_cuda and raw.shape[0] and _JIT.get("broken") is None:
+        try:
+            return _fused(raw, kind, in_features, dtype)
+        except RuntimeError as e:  # no NVRTC here: torch's ops, and say so once
+            _JIT["broken"] = e
+            logging.getLogger("codegen.nn").warning(
+                "codegen.nn.offload: the fused dequantization kernel did not build (%s); "
+                "dequantizing with torch's elementwise ops instead", e)
+    return unpack_rows_eager(raw, kind, in_features, dtype)
+
+
+# One elementwise kernel per format, compiled by torch's jiterator (NVRTC) on first use.
+# Its inputs are promoted to the weight's dtype on load: a byte 0..255 is exact in bf16,
+# fp16 and fp32, and is taken apart as an integer. The product rounds once, as torch's
+# ``q.to(dtype) * scale``. fp8: e4m3fn by its bits (exponent bias 7, 3 mantissa bits,
+# exponent 0 subnormal, 0x7f and 0xff NaN). int4: ``high`` (0 or 1, broadcast over the
+# last dim of [rows, groups, 64, 2]) picks the byte's nibble, sign-extended.
+_FP8_KERNEL = """
+template <typename T> T cg_dequantize_fp8(T bits, T scale) {
+  const int b = static_cast<int>(static_cast<float>(bits));
+  const int e = (b >> 3) & 15, m = b & 7;
+  float f = e == 0 ? m * 0.001953125f : __int_as_float(((e + 120) << 23) | (m << 20));
+  if (e == 15 && m == 7) f = __int_as_float(0x7fc00000);
+  return T(b & 128 ? -f : f) * scale;
+}"""
+_INT4_KERNEL = """
+template <typename T> T cg_dequantize_int4(T packed, T high, T scale) {
+  const int b = static_cast<int>(static_cast<float>(packed));
+  const int v = (static_cast<float>(high) != 0.0f ? b >> 4 : b) & 15;
+  return T(static_cast<float>(v - ((v & 8) << 1))) * scale;
+}"""
+_JIT: dict[str, Any] = {}
+
+
+def _fused(raw: torch.Tensor, kind: str, in_features: int, dtype: torch.dtype) -> torch.Tensor:
+    """``unpack_rows`` on a GPU: one kernel reads the rows' bytes and scales where they
+    lie and writes the weight rows."""
+    rows = raw.shape[0]
+    n = in_features if kind == "fp8" else in_features // 2
+    scale = raw[:, n:].view(dtype)  # [rows, groups]: each row's scales, after its values
+    if kind == "fp8":
+        if "fp8" not in _JIT:
+            _JIT["fp8"] = torch.cuda.jiterator._create_jit_fn(_FP8_KERNEL)
+        return _JIT["fp8"](raw[:, :n], scale)
+    if "int4" not in _JIT:
+        _JIT["int4"] = torch.cuda.jiterator._create_jit_fn(_INT4_KERNEL)
+    key = ("high", raw.device, dtype)
+    if key not in _JIT:
+        _JIT[key] = torch.tensor([0, 1], dtype=dtype, device=raw.device)
+    groups = scale.shape[1]
+    packed = raw[:, :n].view(rows, groups, INT4_GROUP // 2, 1)
+    out = _JIT["int4"](packed, _JIT[key], scale.view(rows, groups, 1, 1))
+    return out.reshape(rows, in_features)
+
+
+def unpack_rows_eager(raw: torch.Tensor, kind: str, in_features: int,
+                      dtype: torch.dtype) -> torch.Tensor:
+    """``unpack_rows`` with torch's elementwise ops (the CPU's way, and the reference of
+    the fused kernel)."""
     rows = raw.shape[0]
     n = in_features if kind == "fp8" else in_features // 2
     values, scales = raw[:, :n], raw[:, n:]

@@ -218,6 +218,7 @@ class Streamer:
         self.capturing = False
         self.versions = self._versions()
         self.probe_sets: list[list[Any]] = [[], []]
+        self.probe_waits = True  # time each wait for a copy (the report's exposed_copy_ms)
         self.forwards = 0
         self.probe_used = 0
         self.now: ForwardCopies | None = None
@@ -329,7 +330,7 @@ class Streamer:
                                 "need a later reader; bug)")
         if index < self.settled:
             return
-        probe = self.now is not None and not self.capturing and isinstance(
+        probe = self.probe_waits and self.now is not None and not self.capturing and isinstance(
             self.backend, _CudaBackend)
         if probe:
             before = self._probe_event()
