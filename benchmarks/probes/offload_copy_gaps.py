@@ -184,9 +184,19 @@ def generate(model: torch.nn.Module, config: str, n: int) -> None:
           f"{', '.join(f'{h * 1e3:.1f}' for h in host)} ms; last forward: {r.line()}; "
           f"unplanned calls {r.unplanned_calls}")
     # The same forwards without generate: offload_llama's decode step, back to back.
-    from benchmarks.offload_llama import DecodeStep
+    import transformers
 
-    step = DecodeStep(model, prompt, prompt[:, -1:])
+    cache = transformers.DynamicCache()
+    token = prompt[:, -1:]
+    with torch.no_grad():
+        model(prompt, use_cache=True, past_key_values=cache)
+
+    def step() -> None:  # one token on the prompt's cache, which then drops it again
+        with torch.no_grad():
+            model(token, use_cache=True, past_key_values=cache)
+        cache.crop(-1)
+
+    step()
     host.clear()
     for _ in range(6):
         step()

@@ -953,13 +953,20 @@ def _quantized_into(arena: Arena, offset: int, w: torch.Tensor, kind: str,
 
 def default_staging(layouts: list[Layout] | list[Resident]) -> int:
     """Half of the largest layer's offloaded bytes (layers named as ``_layer_of`` finds
-    them; a model without numbered layers is one layer), and no more than a lap."""
+    them; a model without numbered layers is one layer), and no more than a lap; but at
+    least four copies of ``DEFAULT_COPY_BYTES`` where a lap streams four times that: the
+    layers of a quantized model are a half or a quarter of their bf16 bytes, and half of
+    one (54 MiB for an 8B model in int4) would cut the copies to 13 MiB, which the copy
+    engine moves more slowly, each with a GEMM piece's host time (measured: the 8B model's
+    int4 decode step at 2.7x its copy floor with a 54 MiB ring)."""
     layers: dict[str, int] = {}
     for lay in layouts:  # each weight as it is streamed (quantized, where it is)
         key = _layer_of(lay.name)
         layers[key] = layers.get(key, 0) + round_up(lay.streamed_weight_bytes, ALIGN)
     lap = sum(layers.values())
-    return max(round_up(min(max(layers.values(), default=0) // 2, lap), ALIGN), ALIGN)
+    half = min(max(layers.values(), default=0) // 2, lap)
+    least = 4 * DEFAULT_COPY_BYTES if lap >= 16 * DEFAULT_COPY_BYTES else 0
+    return max(round_up(max(half, least), ALIGN), ALIGN)
 
 
 def _streamer(chosen: list[tuple[str, nn.Linear]], arena: Arena, device: torch.device,
