@@ -16,6 +16,7 @@
 #include <functional>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #undef __global__
@@ -111,9 +112,15 @@ static rt::View as_view(const Spec& s, const Buffer& b) {
 template <class T>
 static void fill(Buffer& b, int seed) {
   for (int64_t i = 0; i < b.elements; ++i) {
-    // Small multiples of 1/4: exact in every storage type.
-    const float v = static_cast<float>((i * 7 + seed * 5) % 23 - 11) * 0.25f;
-    from_compute(v, reinterpret_cast<T*>(b.base)[i]);
+    const int64_t k = (i * 7 + seed * 5) % 23 - 11;
+    if constexpr (std::is_same_v<T, f8e4m3>) {  // read-only types: their bytes, no NaN
+      const unsigned char bits = static_cast<unsigned char>((i * 37 + seed * 11) % 256);
+      reinterpret_cast<T*>(b.base)[i].bits = (bits & 0x7f) == 0x7f ? bits ^ 1 : bits;
+    } else if constexpr (std::is_same_v<T, i8>) {
+      reinterpret_cast<T*>(b.base)[i].bits = static_cast<unsigned char>(k * 11);
+    } else {  // small multiples of 1/4: exact in every storage type
+      from_compute(static_cast<float>(k) * 0.25f, reinterpret_cast<T*>(b.base)[i]);
+    }
   }
 }
 

@@ -25,6 +25,8 @@ from codegen.jit import build_library
 
 HEADER = include_dir() / "codegen" / "pointwise.h"
 STORAGE = {"bf16": 2, "f16": 2, "float": 4, "double": 8}
+# Storage types kernels only read (dequantize's q): float8_e4m3fn and int8.
+QUANTIZED = {"f8e4m3": 1, "i8": 1}
 # An expression per arity that uses every activation and both operators.
 BODIES = {
     1: "relu(x0) + gelu_tanh(x0) * gelu(x0) + silu(x0)",
@@ -160,6 +162,19 @@ def test_kernel_text_compiles_for_every_type(nvrtc, arity):
             assert ptx_layout(ptx) == [16 // max(sizes), arity, *sizes], (out, inputs, compute)
             assert ".visible .entry cg_pointwise_vector(" in ptx
             assert ".visible .entry cg_pointwise_strided(" in ptx
+
+
+@pytest.mark.parametrize("compute", ["float", "double"])
+def test_kernel_text_compiles_for_quantized_inputs(nvrtc, compute):
+    """A 1-byte quantized input against every output type and a scale of every type, as
+    a dequantize's kernel reads them: the layout counts its 1-byte elements, and the
+    vector width is 16 bytes of the widest type (2 of an int8 where out is double)."""
+    cases = [(out, [q, scale]) for out in STORAGE for q in QUANTIZED for scale in STORAGE]
+    for out, inputs in cases:
+        body = "x0 * round_bf16(x1)" if out == "bf16" else "x0 * round_f16(x1)"
+        ptx = compiled(nvrtc, generated_part(out, inputs, compute, body), 2)
+        sizes = [STORAGE[out], QUANTIZED[inputs[0]], STORAGE[inputs[1]]]
+        assert ptx_layout(ptx) == [16 // max(sizes), 2, *sizes], (out, inputs, compute)
 
 
 def test_vector_kernel_moves_16_bytes_per_operand(nvrtc):
@@ -455,6 +470,10 @@ def test_pointwise_without_a_gpu_fails_clearly(harness):
 # (arity, generated part): widths 8, 2, 4 and 2 elements per thread.
 EMULATED = {
     "bf16, silu(x0) * x1": (2, ["bf16"], ["bf16", "bf16"], "float", "silu(x0) * x1"),
+    # 1-byte inputs: 8 of them per 8-byte word, and 2 per 2-byte word beside a double.
+    "fp8 dequantize to bf16": (2, ["bf16"], ["f8e4m3", "bf16"], "float",
+                               "x0 * round_bf16(x1)"),
+    "int8 times double": (2, ["double"], ["i8", "float"], "double", "x0 * x1"),
     "mixed types, double compute": (3, ["f16"], ["float", "double", "bf16"], "double",
                                     "gelu(x0) + x1 * relu(x2)"),
     "8 float inputs": (8, ["float"], ["float"] * 8, "float",
@@ -475,7 +494,7 @@ def test_kernels_emulated_on_the_host(tmp_path, name):
     binary = cxx(TESTS / "test_pointwise_emulate.cpp", tmp_path / "emulate",
                  f'-DKERNEL_TEXT="{text}"')
     run = subprocess.run([str(binary)], capture_output=True, text=True, timeout=600)
-    width = 16 // max(STORAGE[t] for t in [out, *inputs])
+    width = 16 // max({**STORAGE, **QUANTIZED}[t] for t in [out, *inputs])
     assert run.returncode == 0 and run.stdout.startswith("ok:"), run.stdout + run.stderr
     assert f"vector width {width}" in run.stdout
 
@@ -549,6 +568,47 @@ def test_activations_and_conversions_match_torch(tmp_path):
     assert torch.equal(bf16[~nan], want_bf16[~nan])
     assert torch.equal(f16[~nan], want_f16[~nan])
     assert (bf16[nan] & 0x7FC0 == 0x7FC0).all()  # a quiet NaN
+
+
+DECODE = r"""
+#include <math.h>
+#include <stdio.h>
+#define __device__
+#define __forceinline__ inline
+#include KERNEL_TEXT
+
+int main() {
+  for (unsigned b = 0; b < 256; ++b) {
+    const unsigned char bits = static_cast<unsigned char>(b);
+    printf("%a %a\n", to_compute<float>(f8e4m3{bits}), to_compute<double>(i8{bits}));
+  }
+}
+"""
+
+
+@pytest.mark.build
+def test_quantized_inputs_decode_as_torch(tmp_path):
+    """The prelude's decoding of every float8_e4m3fn and int8 bit pattern (compiled for
+    the host, as the GPU runs it: no PTX) against torch's: equal, signed zeros included,
+    NaN where torch gives NaN."""
+    prelude = tmp_path / "prelude.h"
+    prelude.write_text(kernel_text("kPointwisePrelude"))
+    source = tmp_path / "decode.cpp"
+    source.write_text(DECODE)
+    binary = cxx(source, tmp_path / "decode", f'-DKERNEL_TEXT="{prelude}"')
+    run = subprocess.run([str(binary)], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr
+    rows = [line.split() for line in run.stdout.splitlines()]
+    assert len(rows) == 256
+    bits = torch.arange(256, dtype=torch.uint8)
+    fp8 = torch.tensor([float.fromhex(r[0]) for r in rows], dtype=torch.float32)
+    want = bits.view(torch.float8_e4m3fn).float()
+    assert torch.equal(fp8.isnan(), want.isnan()) and int(want.isnan().sum()) == 2
+    finite = ~want.isnan()
+    assert torch.equal(fp8[finite], want[finite])
+    assert torch.equal(fp8[finite].signbit(), want[finite].signbit())  # -0.0 at 0x80
+    int8 = torch.tensor([float.fromhex(r[1]) for r in rows], dtype=torch.float64)
+    assert torch.equal(int8, bits.view(torch.int8).double())
 
 
 # ---------------------------------------------------------------------------- on the GPU

@@ -19,9 +19,9 @@ CSRC_GEN = REPO / "csrc_gen"
 def golden_sources() -> dict[str, str]:
     """File name -> generated C++ of every bundled example."""
     import codegen as cg
-    from codegen.examples import DISTRIBUTED_EXAMPLES, EXAMPLES
+    from codegen.examples import DISTRIBUTED_EXAMPLES, EXAMPLES, QUANTIZED_EXAMPLES
 
-    examples = {**EXAMPLES, **DISTRIBUTED_EXAMPLES}
+    examples = {**EXAMPLES, **DISTRIBUTED_EXAMPLES, **QUANTIZED_EXAMPLES}
     return {f"{name}.cpp": cg.render(cg.lower(ex.make())) for name, ex in examples.items()}
 
 

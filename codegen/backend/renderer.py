@@ -37,6 +37,8 @@ DTYPES: dict[torch.dtype, str] = {
     torch.float16: "rt::DType::Float16",
     torch.bfloat16: "rt::DType::BFloat16",
     torch.float64: "rt::DType::Float64",
+    torch.float8_e4m3fn: "rt::DType::Float8E4M3FN",
+    torch.int8: "rt::DType::Int8",
 }
 
 # Identifiers the generated function uses itself, C++ keywords and common macros: a
@@ -304,7 +306,7 @@ def _stream(ref: hir.StreamRef) -> str:
 
 # The storage and compute types of pointwise kernels (codegen/backend/include/codegen/pointwise.h).
 _C_TYPES = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "float",
-            torch.float64: "double"}
+            torch.float64: "double", torch.float8_e4m3fn: "f8e4m3", torch.int8: "i8"}
 
 # (source, destination) residency -> the cudaMemcpyKind of a Copy.
 _COPY_KINDS = {("cpu", "cuda"): "cudaMemcpyHostToDevice",
@@ -382,6 +384,7 @@ class _Statements:
         return fields
 
     def StagingSlot(self, n: hir.StagingSlot) -> dict[str, Any]:
+        self.rank[n.out] = self.rank[n.like]
         return {"out": self.names(n.out), "stage": self.names(n.stage),
                 "slot": n.slot.slot_str(), "like": self.names(n.like)}
 
@@ -475,9 +478,9 @@ class _Statements:
         gemm = n.gemm
         if gemm is None:
             kernel = self.kernel(n)
-            inputs = ", ".join(self.names(v) for v in n.expr.leaves())
-            return {"kind": "Pointwise", "kernel": kernel, "out": self.names(n.out),
-                    "inputs": inputs, "range": self.range(n)}
+            out, inputs = self.kernel_views(n)
+            return {"kind": "Pointwise", "kernel": kernel, "out": out,
+                    "inputs": ", ".join(inputs), "range": self.range(n)}
         if any(isinstance(a, hir.Apply) for a in gemm.args):
             raise InternalError(f"{n}: a GEMM's operands must be values\n{self.program}")
         args = [self.names(a) for a in gemm.args if isinstance(a, str)]
@@ -494,6 +497,34 @@ class _Statements:
         return {"kind": "Gemm", "gemms": self.gemms[self.dtypes[n.out]],
                 "call": gemm.defn.name, "out": self.names(n.out), "args": ", ".join(args),
                 "range": self.range(n)}
+
+    def kernel_views(self, n: hir.Compute) -> tuple[str, list[str]]:
+        """The views pointwise node ``n`` passes its kernel, out's and each value's, such
+        that the kernel's broadcasting (numpy's: axes aligned at the end) reads each value
+        along the axes its ops read it (``Apply.read_axes``): a value along leading axes of
+        out (a per-row scale ``[n]`` of ``[n, k]``) gets size-1 axes after them
+        (``rt::unsqueeze``). An op with ``groups`` g iterates ``[.., k / g, g]``: out and
+        the values along its last axis are viewed so (``rt::unflatten``), and a value
+        along its groups (``[n, k / g]``) gets a size-1 axis for g."""
+        rank = self.rank[n.out]
+        root = n.expr.defn
+        g = root.groups(dict(n.expr.attrs)) if root.groups is not None else None
+        reads = n.expr.read_axes(self.rank)
+        views = []
+        for v in n.expr.leaves():
+            ways = {axes for leaf, axes in reads if leaf == v}
+            if len(ways) != 1:
+                raise InternalError(f"{n}: one kernel reads {v} along axes "
+                                    f"{sorted(ways, key=str)}\n{self.program}")
+            (axes,) = ways
+            view = self.names(v)
+            if g is not None:
+                view, axes = _grouped(view, axes, rank, g)
+            views.append(_broadcast(view, axes, rank + (g is not None), n))
+        out = self.names(n.out)
+        if g is not None:
+            out = _grouped(out, tuple(range(rank)), rank, g)[0]
+        return out, views
 
     def kernel(self, n: hir.Compute) -> str:
         """Declares the kernel of pointwise node ``n`` (``self.kernels``); its C++ name."""
@@ -519,6 +550,32 @@ class _Statements:
         self.kernels.append({"name": name, "label": _cstr(str(n)), "source": lines,
                              "arity": len(leaves)})
         return name
+
+
+def _grouped(view: str, axes: tuple[int | None, ...], rank: int, g: int
+             ) -> tuple[str, tuple[int | None, ...]]:
+    """``view`` (reading out's ``axes``) for a kernel that iterates out's last axis k as
+    ``[k / g, g]``: an axis along k unflattened so (``rt::unflatten``), an axis along
+    the groups (None) reading axis k / g; with the axes of the new shape it reads."""
+    last = rank - 1
+    if last in axes:
+        axis = axes.index(last)
+        split = f"rt::unflatten({view}, {axis}, {view}.size({axis}) / {g}, {g})"
+        return split, (*axes[:axis], last, rank, *axes[axis + 1:])
+    return view, tuple(last if a is None else a for a in axes)
+
+
+def _broadcast(view: str, axes: tuple[int | None, ...], rank: int, n: hir.Node) -> str:
+    """``view`` reading out's ``axes`` (increasing) as the kernel broadcasts it: size-1
+    axes inserted (``rt::unsqueeze``) for out's axes after its first that it does not
+    read; the ones before are numpy's leading broadcast."""
+    if None in axes or list(axes) != sorted(set(axes)):  # type: ignore[type-var]
+        raise InternalError(f"{n}: a kernel cannot read a value along axes {axes} of its "
+                            "output (none, or out of order)")
+    for a in range(axes[0] if axes else rank, rank):
+        if a not in axes:
+            view = f"rt::unsqueeze({view}, {a - axes[0]})"
+    return view
 
 
 def _cublaslt(program: hir.HostProgram) -> str:

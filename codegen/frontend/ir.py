@@ -635,6 +635,17 @@ def _unify(op: str, group: list[tuple[str, TensorView, int]], pointwise: bool = 
     return extents[0][3]
 
 
+def _refuse_quantized(defn: OpDef, args: Mapping[str, TensorView]) -> None:
+    """A quantized tensor (fp8, int8) is read only by the operands that say they take one
+    (``OpDef.quantized``: dequantize's q)."""
+    for n, t in args.items():
+        if t.dtype in ops_.QUANTIZED_DTYPES and n not in defn.quantized:
+            raise ScheduleError(
+                f"{defn.name}: argument {n} ({t.name}) is {DTYPE_NAMES[t.dtype]}, which only "
+                f"cg.dequantize reads; dequantize it first (cg.dequantize({t.name}, scale, "
+                "...))")
+
+
 def _define(defn: OpDef, attrs: dict[str, object] | None = None,
             **operands: TensorView | None) -> TensorView:
     """Defines one op of kind ``defn`` in the current fusion: checks its operands (each a
@@ -645,6 +656,7 @@ def _define(defn: OpDef, attrs: dict[str, object] | None = None,
             if t is not None or n not in defn.optional}
     attrs = dict(attrs or {})
     defn.check(args, attrs)
+    _refuse_quantized(defn, args)
     dtype = defn.dtype(args, attrs)
     op = Op(defn, args, attrs)
     out_ids: dict[int, IterDomain] = {}
@@ -699,6 +711,17 @@ def mul(a: TensorView, b: TensorView) -> TensorView:
 def cast(t: TensorView, dtype: torch.dtype) -> TensorView:
     """``t`` converted to ``dtype`` (rounded to nearest even, as ``Tensor.to``)."""
     return _define(ops_.CAST, {"dtype": dtype}, x=t)
+
+
+def dequantize(q: TensorView, scale: TensorView, *, group_size: int | None = None,
+               dtype: torch.dtype = torch.bfloat16) -> TensorView:
+    """``q.to(dtype) * scale.to(dtype)``, elementwise: q ``[N, K]`` (float8_e4m3fn, or
+    int8: int4 values stored unpacked in int8 are read as they are, not range-checked);
+    scale (bfloat16, float16 or float32) ``[N]``, one per row of q, or with
+    ``group_size=g`` ``[N, K // g]``, one per group of g elements of a row (K a multiple
+    of g). The result is ``dtype`` (bfloat16, float16 or float32), rounded once."""
+    return _define(ops_.DEQUANTIZE, {"group_size": group_size, "dtype": dtype}, q=q,
+                   scale=scale)
 
 
 def output(t: TensorView, device: str = "cuda") -> None:

@@ -41,7 +41,14 @@ DTYPE_NAMES = {
     torch.float16: "float16",
     torch.bfloat16: "bfloat16",
     torch.float64: "float64",
+    torch.float8_e4m3fn: "float8_e4m3fn",
+    torch.int8: "int8",
 }
+# The dtypes ops compute in, and results have (cast's targets).
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+# Quantized values (int4 is stored unpacked in int8): program inputs that only the operands
+# an op names in ``OpDef.quantized`` read (dequantize's q); every other operand refuses them.
+QUANTIZED_DTYPES = (torch.float8_e4m3fn, torch.int8)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,6 +88,18 @@ class OpDef:
     epilogues: bool = True
     # A GEMM the runtime can run adding onto its output (beta = 1, ``accumulate=True``).
     accumulates: bool = True
+    # The operands that take a quantized dtype (QUANTIZED_DTYPES); no other does.
+    quantized: tuple[str, ...] = ()
+    # Extents the op ties beyond its axis groups: (operands, attrs) -> (a, b, factor)
+    # triples, operand axis a of ``factor`` times the extent of operand axis b (a grouped
+    # dequantize's K, its scale's groups times group_size); checked on the inputs when the
+    # program is called.
+    ties: Callable[[Mapping[str, Any], Attrs], list[tuple[Member, Member, int]]] | None = None
+    # Pointwise: the size of the groups of the last axis that an operand indexes once per
+    # group (a grouped dequantize's scale [N, K / g]), or None. The kernel of such an op
+    # iterates [.., K / g, g] and reads that operand broadcast along g; it is never fused
+    # with another op. Its output's last axis is never split on streams.
+    groups: Callable[[Attrs], int | None] | None = None
     # Reverse mode (codegen.transforms.gradient): (dy, operands, attrs, builder) -> each
     # operand's gradient, built with the builder's ops (the functions of
     # codegen.frontend.ir and codegen.frontend.grad_ops), or a ScheduleError where the op
@@ -157,13 +176,15 @@ def _unbroadcast(op: str, g: Any, like: Any, b: Any) -> Any:
 
 
 class NoGradient:
-    """An operand's gradient the rules cannot give: raised only if it is asked for."""
+    """An operand's gradient the rules cannot give: raised only if it is asked for. The
+    message may name the operand's tensor as ``{tensor}``, filled in when it is raised (a
+    rule that does not read an operand does not know its name)."""
 
     def __init__(self, message: str) -> None:
         self.message = message
 
-    def error(self) -> ScheduleError:
-        return ScheduleError(self.message)
+    def error(self, tensor: str = "") -> ScheduleError:
+        return ScheduleError(self.message.replace("{tensor}", tensor))
 
 
 # ---------------------------------------------------------------------------- GEMMs
@@ -465,11 +486,16 @@ def _gelu_check(t: Mapping[str, Any], attrs: Attrs) -> None:
             f"(as torch.nn.functional.gelu), got {attrs['approximate']!r}")
 
 
+def dtype_list(dtypes: tuple[torch.dtype, ...]) -> str:
+    """``torch.bfloat16, torch.float16 or torch.float32``: dtypes as a message lists them."""
+    names = [f"torch.{DTYPE_NAMES[d]}" for d in dtypes]
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} or {names[-1]}"
+
+
 def _cast_check(t: Mapping[str, Any], attrs: Attrs) -> None:
-    if not isinstance(attrs["dtype"], torch.dtype) or attrs["dtype"] not in DTYPE_NAMES:
-        raise ScheduleError(
-            f"cast: dtype must be one of torch.{', torch.'.join(DTYPE_NAMES.values())}, got "
-            f"{attrs['dtype']!r}")
+    if not isinstance(attrs["dtype"], torch.dtype) or attrs["dtype"] not in FLOAT_DTYPES:
+        names = ", ".join(f"torch.{DTYPE_NAMES[d]}" for d in FLOAT_DTYPES)
+        raise ScheduleError(f"cast: dtype must be one of {names}, got {attrs['dtype']!r}")
 
 
 SILU = unary("silu", "Silu", lambda x: F.silu(x), lambda x, a: f"silu({x[0]})",
@@ -506,6 +532,127 @@ GELU_GRAD = binary(
 RELU_GRAD = binary("relu_grad", "ReluGrad",
                    lambda dy, x: torch.ops.aten.threshold_backward(dy, x, 0),
                    lambda x, a: f"({x[1]} <= compute_t(0) ? compute_t(0) : {x[0]})")
+
+
+# ---------------------------------------------------------------------------- dequantize
+
+# What dequantize's scale may be, and its result.
+SCALE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+DEQUANTIZE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _shape_str(t: Any) -> str:
+    return "[" + ", ".join(map(str, t.shape)) + "]"
+
+
+def _dequantize_attrs(attrs: Attrs) -> None:
+    """``group_size`` a positive int or None, ``dtype`` one of DEQUANTIZE_DTYPES."""
+    g, dtype = attrs["group_size"], attrs["dtype"]
+    if g is not None and (isinstance(g, bool) or not isinstance(g, int) or g < 1):
+        raise ScheduleError(f"dequantize: group_size must be a positive int (or None: one "
+                            f"scale per row of q), found {g!r}")
+    if not isinstance(dtype, torch.dtype) or dtype not in DEQUANTIZE_DTYPES:
+        raise ScheduleError(f"dequantize: dtype (the result's) must be "
+                            f"{dtype_list(DEQUANTIZE_DTYPES)}, found {dtype!r}")
+
+
+def _dequantize_dtypes(q: Any, scale: Any) -> None:
+    if q.dtype not in QUANTIZED_DTYPES:
+        raise ScheduleError(
+            f"dequantize: argument q ({q.name}) must be {dtype_list(QUANTIZED_DTYPES)} "
+            f"(int4 values stored unpacked in int8), found {DTYPE_NAMES[q.dtype]}")
+    if scale.dtype not in SCALE_DTYPES:
+        raise ScheduleError(f"dequantize: argument scale ({scale.name}) must be "
+                            f"{dtype_list(SCALE_DTYPES)}, found {DTYPE_NAMES[scale.dtype]}")
+
+
+def _fixed(e: Any) -> int | None:
+    """A fixed extent's value (an ``ir.Const``), or None for a named one."""
+    value = getattr(e, "value", None)
+    return value if isinstance(value, int) else None
+
+
+def _dequantize_shapes(q: Any, scale: Any, g: int | None) -> None:
+    """q ``[N, K]``; scale ``[N]``, or ``[N, K // g]`` with K a multiple of g, where the
+    extents are fixed (named ones are checked when the program is called: ``ties``)."""
+    if q.ndim != 2:
+        raise ScheduleError(f"dequantize: argument q ({q.name}) must have rank 2 [N, K], "
+                            f"found rank {q.ndim} {_shape_str(q)}")
+    n, k = q.shape
+    want: list[tuple[str, int | None]] = [(str(n), _fixed(n))]  # (spelled, fixed value)
+    why = "one scale per row of q"
+    if g is not None:
+        fixed_k = _fixed(k)
+        if fixed_k is not None and fixed_k % g:
+            raise ScheduleError(f"dequantize: argument q ({q.name}) axis 1 (K = {k}) must "
+                                f"be a multiple of group_size {g}")
+        groups = None if fixed_k is None else fixed_k // g
+        want.append((f"{k} / {g}" if groups is None else str(groups), groups))
+        why = f"one scale per group of {g} elements of a row of q"
+    if scale.ndim != len(want) or any(
+            _fixed(e) is not None and w is not None and _fixed(e) != w
+            for e, (_, w) in zip(scale.shape, want)):
+        spelled = ", ".join(t for t, _ in want)
+        raise ScheduleError(f"dequantize: argument scale ({scale.name}) must have shape "
+                            f"[{spelled}] ({why}; q={q.name} is {_shape_str(q)}), found "
+                            f"{_shape_str(scale)}")
+
+
+def _dequantize_check(t: Mapping[str, Any], attrs: Attrs) -> None:
+    _dequantize_attrs(attrs)
+    _dequantize_dtypes(t["q"], t["scale"])
+    _dequantize_shapes(t["q"], t["scale"], attrs["group_size"])
+
+
+def _dequantize_axes(rank: Mapping[str, int], attrs: Attrs) -> list[AxisGroup]:
+    """N indexes q, scale and out; K indexes q and out (a grouped scale's axis 1 indexes
+    groups of K: ``ties`` and ``groups``)."""
+    return [AxisGroup((("q", 0), ("scale", 0), ("out", 0))), AxisGroup((("q", 1), ("out", 1)))]
+
+
+def _dequantize_ties(t: Mapping[str, Any], attrs: Attrs) -> list[tuple[Member, Member, int]]:
+    g = attrs["group_size"]
+    return [] if g is None else [(("q", 1), ("scale", 1), g)]
+
+
+def _dequantize(q: torch.Tensor, scale: torch.Tensor, group_size: int | None,
+                dtype: torch.dtype) -> torch.Tensor:
+    """``q * scale`` in the computation dtype (q and scale arrive in it), the scale first
+    rounded to ``dtype`` as the reference's ``scale.to(dtype)``; q converts exactly. The
+    product of the two is exact in fp32 for a 16-bit ``dtype``, so it rounds once on store,
+    as torch's half-type product does."""
+    s = scale.to(dtype).to(q.dtype)
+    if group_size is None:
+        return q * s[:, None]
+    n, k = q.shape
+    return (q.reshape(n, k // group_size, group_size) * s[:, :, None]).reshape(n, k)
+
+
+# The kernel's rounding of the scale to the result's dtype (pointwise.h); fp32 needs none.
+_ROUND = {torch.bfloat16: "round_bf16", torch.float16: "round_f16"}
+
+
+def _dequantize_cpp(x: list[str], attrs: Attrs) -> str:
+    rounding = _ROUND.get(attrs["dtype"])
+    return f"({x[0]} * {rounding}({x[1]}))" if rounding else f"({x[0]} * {x[1]})"
+
+
+def _dequantize_vjp(dy: Any, v: Mapping[str, Any], attrs: Attrs, b: Any) -> dict[str, Any]:
+    why = ("dequantize: no backward for {tensor} (its {operand}): quantized values and "
+           "their scales are constants; pass it without requires_grad (or .detach() it)")
+    return {n: NoGradient(why.replace("{operand}", n)) for n in ("q", "scale")}
+
+
+# ``q.to(dtype) * scale.to(dtype)``, one scale per row of q [N, K] (scale [N]) or per
+# group of ``group_size`` elements of a row (scale [N, K // group_size]); q float8_e4m3fn
+# or int8 (int4 values stored unpacked, not range-checked).
+DEQUANTIZE = define(OpDef(
+    name="dequantize", node="Dequantize", family="pointwise", operands=("q", "scale"),
+    check=_dequantize_check, axes=_dequantize_axes, dtype=lambda t, a: a["dtype"],
+    attrs=("group_size", "dtype"), compute=_dequantize, cpp=_dequantize_cpp,
+    quantized=("q",), ties=_dequantize_ties, groups=lambda a: a["group_size"],
+    vjp=_dequantize_vjp,
+))
 
 
 def compute_dtype(dtypes: list[torch.dtype]) -> torch.dtype:

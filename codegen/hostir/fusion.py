@@ -82,6 +82,24 @@ def _fusable(program: HostProgram, t: str) -> _Fusion | None:
     return None
 
 
+def _alone(e: Apply) -> bool:
+    """Whether ``e``'s op is a kernel of its own: an op whose operand indexes its last
+    axis by groups (``OpDef.groups``: a grouped dequantize) iterates a shape no other op
+    has, ``[.., K / g, g]``."""
+    return e.defn.groups is not None and e.defn.groups(dict(e.attrs)) is not None
+
+
+def _one_way(program: HostProgram, e: Apply) -> bool:
+    """Whether one kernel can compute ``e``: it reads each value along one set of axes
+    (``Apply.read_axes``). A value read both as a dequantize's per-row scale ``[n]``
+    (along the rows) and as a bias (along the columns) would need two views of it."""
+    ranks = {v: len(t.shape) for v, t in value_infos(program).items()}
+    ways: dict[str, set[tuple[int | None, ...]]] = {}
+    for v, axes in e.read_axes(ranks):
+        ways.setdefault(v, set()).add(axes)
+    return all(len(w) == 1 for w in ways.values())
+
+
 def _count(e: Apply, value: str) -> int:
     return sum(_count(a, value) if isinstance(a, Apply) else a == value for a in e.args)
 
@@ -91,9 +109,12 @@ def _fused(f: _Fusion, program: HostProgram) -> Compute | None:
     ``f.value``, or None where the two cannot be one node:
 
     - a pointwise producer inlines into a pure pointwise consumer's kernel (never into a
-      GEMM's operands); a cast producer stays where it stores (it rounds), and a cast
-      consumer takes a producer only if the producer's result is already in the
-      expression's compute dtype (no rounding of it is lost);
+      GEMM's operands: a dequantized weight is stored before its GEMM reads it); a cast
+      producer stays where it stores (it rounds), and a cast consumer takes a producer
+      only if the producer's result is already in the expression's compute dtype (no
+      rounding of it is lost); an op that is a kernel of its own (``_alone``: a grouped
+      dequantize) fuses with nothing, and the fused kernel must read each value one way
+      (``_one_way``);
     - a GEMM takes a one-operand consumer as its epilogue where cuBLASLt has one for it
       (and the program's GEMMs use cuBLASLt)."""
     c, p = f.consumer.expr, f.producer.expr
@@ -101,6 +122,8 @@ def _fused(f: _Fusion, program: HostProgram) -> Compute | None:
             f.producer.epilogue is not None:
         return None
     if p.defn.is_pointwise and p.defn is not ops.CAST:
+        if _alone(c) or _alone(p):
+            return None
         if c.defn is ops.CAST:
             infos = value_infos(program)
             compute = ops.compute_dtype([infos[v].dtype for v in
@@ -112,7 +135,8 @@ def _fused(f: _Fusion, program: HostProgram) -> Compute | None:
             return dataclasses.replace(e, args=tuple(
                 p if a == f.value else inline(a) if isinstance(a, Apply) else a
                 for a in e.args))
-        return Compute.of(inline(c), f.consumer.out)
+        fused = inline(c)
+        return Compute.of(fused, f.consumer.out) if _one_way(program, fused) else None
     epilogue = c.defn.epilogue(dict(c.attrs)) if c.defn.epilogue else None
     if p.defn.is_gemm and p.defn.epilogues and epilogue and c.args == (f.value,) and \
             program.gemm_library == "cublaslt":
@@ -160,12 +184,14 @@ def _recomputed(program: HostProgram, t: str) -> tuple[Compute, dict[int, Comput
         assert isinstance(r, Compute)
         c = r.expr
         if not c.defn.is_pointwise or c.defn is ops.CAST or r.gemm is not None or \
-                r.accumulate or value in r.writes():
+                r.accumulate or value in r.writes() or _alone(c):
             return None
 
         def inline(e: Apply) -> Apply:
             return dataclasses.replace(e, args=tuple(
                 p if a == value else inline(a) if isinstance(a, Apply) else a for a in e.args))
+        if not _one_way(program, inline(c)):
+            return None
         fused[id(r)] = Compute.of(inline(c), r.out)
     return producer, fused
 

@@ -274,6 +274,38 @@ class Apply:
         """The arguments by the definition's operand names (absent optional ones left out)."""
         return {n: a for n, a in zip(self.defn.operands, self.args) if a is not None}
 
+    def rank(self, ranks: Mapping[str, int]) -> int:
+        """The rank of the result, from the ranks of the values read (``ranks``)."""
+        groups = self.defn.axes(self._arg_ranks(ranks), dict(self.attrs))
+        return sum(not g.reduction for g in groups)
+
+    def _arg_ranks(self, ranks: Mapping[str, int]) -> dict[str, int]:
+        return {n: a.rank(ranks) if isinstance(a, Apply) else ranks[a]
+                for n, a in self.operands().items()}
+
+    def read_axes(self, ranks: Mapping[str, int], axes: tuple[int | None, ...] | None = None
+                  ) -> list[tuple[str, tuple[int | None, ...]]]:
+        """Each value read (once per place it is read), with the axis of the result each
+        of its axes runs along, through the axis roles of the ops on the way (None: along
+        none of them, as a grouped dequantize's scale groups). ``Add(Dequantize(q, s), b)``
+        of a ``[n, k]`` result reads q along ``(0, 1)``, s ``[n]`` along ``(0,)`` and a
+        bias b ``[k]`` along ``(1,)``. ``axes`` maps this op's result axes (default: the
+        identity)."""
+        arg_ranks = self._arg_ranks(ranks)
+        groups = [g for g in self.defn.axes(arg_ranks, dict(self.attrs)) if not g.reduction]
+        if axes is None:
+            axes = tuple(range(len(groups)))
+        found: list[tuple[str, tuple[int | None, ...]]] = []
+        for name, arg in self.operands().items():
+            along: list[int | None] = [None] * arg_ranks[name]
+            for g in groups:
+                for member, d in g.members:
+                    if member == name:
+                        along[d] = axes[g.output_axis()]
+            found += (arg.read_axes(ranks, tuple(along)) if isinstance(arg, Apply)
+                      else [(arg, tuple(along))])
+        return found
+
     def parts(self) -> list[str]:
         """The printed arguments: values, then ``name=value`` attributes."""
         return [str(a) for a in self.args if a is not None] + \

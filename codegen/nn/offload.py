@@ -61,7 +61,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import NoGPUError, ScheduleError
-from ..frontend import ir
+from ..frontend import ir, ops
 from ..interp.evaluator import evaluate
 from ..jit import CompiledOp, compile
 from ..transforms.lowering import check_pool_size, lower
@@ -754,9 +754,10 @@ def offload(model: nn.Module, slices: int = 8, *, filter: Filter | None = None, 
             raise ValueError(f"codegen.nn.offload: {n}.{meta[0]} is on the meta device (no "
                              "values yet); load or initialize the model's weights before "
                              "offloading it")
-        if m.weight.dtype not in ir.DTYPE_NAMES:
+        if m.weight.dtype not in ops.FLOAT_DTYPES:
+            floats = ", ".join(ir.DTYPE_NAMES[d] for d in ops.FLOAT_DTYPES)
             raise ValueError(f"codegen.nn.offload: {n}.weight is {m.weight.dtype}; offloaded "
-                             f"weights must be one of {', '.join(ir.DTYPE_NAMES.values())}")
+                             f"weights must be one of {floats}")
         if m.weight.dim() != 2 or tuple(m.weight.shape) != (m.out_features, m.in_features):
             raise ValueError(f"codegen.nn.offload: {n}.weight has shape "
                              f"{tuple(m.weight.shape)}; the Linear's out_features and "

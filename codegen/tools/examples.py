@@ -14,6 +14,7 @@ from ..errors import ScheduleError
 from ..frontend import ir
 from ..frontend.ir import DeviceMesh, Fusion, ParallelType
 from ..nn.program import offload_linear  # noqa: F401 - a bundled example too
+from ..nn.quantize import INT4_GROUP
 
 Stream = ParallelType.Stream
 DIDx = ParallelType.DIDx
@@ -140,6 +141,29 @@ def offload_activations(dtype: torch.dtype = torch.bfloat16, slices: int = 8,
     """x [m, k] in host memory @ w [k, n] on the GPU: x streamed in and out [m, n]
     streamed back to (pinned) host memory, both by row slices."""
     return _split_matmul(name, dtype, 0, slices, x_device="cpu", out_device="cpu")
+
+
+def dequantize_linear(kind: str = "fp8", slices: int = 4, name: str | None = None) -> Fusion:
+    """y = x @ dequantize(q, scale).T in bf16, the quantized weight in host memory, its
+    rows in ``slices`` stream slices: each slice copies its rows of q and scale, dequantizes
+    them and multiplies. ``kind`` "fp8": q float8_e4m3fn, one scale per row; "int4": q int8
+    (values in [-8, 7]), one scale per 128 columns (codegen.nn.quantize's formats)."""
+    if kind not in ("fp8", "int4"):
+        raise ScheduleError(f"dequantize_linear: kind must be 'fp8' or 'int4', got {kind!r}")
+    _check_positive("dequantize_linear", slices=slices)
+    fp8 = kind == "fp8"
+    with Fusion(name or f"dequantize_linear_{kind}") as fusion:
+        x = ir.input(["m", "k"], torch.bfloat16, name="x")
+        q = ir.input(["n", "k"], torch.float8_e4m3fn if fp8 else torch.int8, name="q",
+                     device="cpu")
+        scale = ir.input(["n"] if fp8 else ["n", "groups"], torch.bfloat16, name="scale",
+                         device="cpu")
+        w = ir.dequantize(q, scale, group_size=None if fp8 else INT4_GROUP)
+        y = ir.linear(x, w)
+        ir.output(y)
+    y.outer_split(1, slices)
+    y.axis(1).parallelize(Stream)
+    return fusion
 
 
 def _weights(what: str, weights: str) -> str:
@@ -324,6 +348,19 @@ def matmul_reduce_scatter_2x4() -> Fusion:
     """Tensor parallel, 2 ranks: reduce_scatter(x_local @ w_local), sliced into 4 stream
     slices (slice i's reduce-scatter runs under slice i+1's GEMM)."""
     return matmul_reduce_scatter(torch.bfloat16, 4, 2, name="matmul_reduce_scatter_2x4")
+
+
+# Examples whose inputs are quantized (not one float dtype): their C++ is checked in under
+# csrc_gen/; tests/test_dequantize.py runs them, with inputs of their dtypes.
+QUANTIZED_EXAMPLES: dict[str, Example] = {
+    e.name: e
+    for e in (
+        Example("dequantize_linear_fp8", dequantize_linear.__doc__ or "",
+                lambda: dequantize_linear("fp8"), ((9, 128), (22, 128), (22,))),
+        Example("dequantize_linear_int4", dequantize_linear.__doc__ or "",
+                lambda: dequantize_linear("int4"), ((9, 256), (22, 256), (22, 2))),
+    )
+}
 
 
 # Examples whose C++ is checked in under csrc_gen/ but which need a process group to run

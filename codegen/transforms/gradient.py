@@ -136,7 +136,7 @@ def derive(fusion: Fusion, wanted: Sequence[bool]) -> Gradient:
                 if t is None or id(t) not in needs:
                     continue
                 if isinstance(g, ops.NoGradient):
-                    raise g.error()
+                    raise g.error(t.name)
                 if g.definition is not None:
                     _follow(g, t)
                 old = grads.get(id(t))

@@ -20,6 +20,7 @@ from ..frontend.ir import (
     Op,
     ParallelType,
     TensorView,
+    mul_extents,
 )
 from ..frontend.schedule import (
     StreamSplit,
@@ -157,6 +158,23 @@ def check_stream_consistency(fusion: Fusion) -> Fusion:
     return fusion
 
 
+def check_grouped_axes(fusion: Fusion) -> Fusion:
+    """Before: propagated schedules. After: no op whose operand indexes its last axis by
+    groups (``OpDef.groups``: a grouped dequantize, whose scale has one value per group of
+    a row) has that axis split on streams; otherwise raises ScheduleError. Such an op is
+    split along its other axes (a dequantized weight by rows)."""
+    for op in fusion.ops:
+        g = op.defn.groups(op.attrs) if op.defn.groups is not None else None
+        split = stream_split(op.out)
+        if g is not None and split is not None and split.axis == op.out.ndim - 1:
+            grouped = ", ".join(f"{n}={t.name}" for n, t in op.args.items())
+            raise ScheduleError(
+                f"{op.defn.name} {op.out.name} (group_size={g}): axis {split.axis} is split "
+                f"on streams ({split.describe()}), but its operands ({grouped}) index that "
+                f"axis by groups of {g}; split it along another axis (rows, axis 0)")
+    return fusion
+
+
 def move_stream_to_front(fusion: Fusion) -> Fusion:
     """Before: a stream IterDomain anywhere in a loop domain. After: at position 0, other
     axes in their order (the host loop is the outermost loop)."""
@@ -171,6 +189,7 @@ FUSION_PASSES: tuple[FusionPass, ...] = (
     validate_schedule,
     propagate_stream_sharding,
     check_stream_consistency,
+    check_grouped_axes,
     move_stream_to_front,
 )
 
@@ -381,6 +400,23 @@ def _constraints(fusion: Fusion) -> list[hir.Constraint]:
                     what = (f"{op.defn.name} {op.out.name}: {n0}={operands[n0].name} axis "
                             f"{a0} and {n}={operands[n].name} axis {a}")
                     out.append(hir.Constraint(e0, e, what))
+        out += _ties(op)
+    return out
+
+
+def _ties(op: Op) -> list[hir.Constraint]:
+    """The extents ``op.defn.ties`` relates (a grouped dequantize's K is its scale's
+    groups times group_size), where they are different expressions."""
+    if op.defn.ties is None:
+        return []
+    operands, out = op.operands(), []
+    for (n, a), (m, b), factor in op.defn.ties(operands, op.attrs):
+        lhs = operands[n].shape[a]
+        rhs = mul_extents(operands[m].shape[b], Const(factor))
+        if lhs != rhs:
+            what = (f"{op.defn.name} {op.out.name}: {n}={operands[n].name} axis {a} and "
+                    f"{m}={operands[m].name} axis {b} times {factor}")
+            out.append(hir.Constraint(lhs, rhs, what))
     return out
 
 

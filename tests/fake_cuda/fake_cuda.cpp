@@ -485,6 +485,8 @@ int32_t aoti_torch_dtype_float16() { return 5; }
 int32_t aoti_torch_dtype_float32() { return 6; }
 int32_t aoti_torch_dtype_float64() { return 7; }
 int32_t aoti_torch_dtype_bfloat16() { return 15; }
+int32_t aoti_torch_dtype_int8() { return 1; }
+int32_t aoti_torch_dtype_float8_e4m3fn() { return 24; }
 
 AOTITorchError aoti_torch_get_current_cuda_stream(int32_t device, void** ret) {
   if (device < 0 || device >= fake::kDevices) return 1;

@@ -48,8 +48,11 @@ inline GemmType gemm_type(DType dtype, const MathMode& mode) {
       return {CUDA_R_16BF, CUBLAS_COMPUTE_32F, mode.bf16};
     case DType::Float64:
       return {CUDA_R_64F, CUBLAS_COMPUTE_64F};
+    case DType::Float8E4M3FN:
+    case DType::Int8:
+      break;  // quantized values are dequantized before a GEMM reads them
   }
-  fail("codegen: unknown dtype (bug)");
+  fail("codegen: no GEMM of this dtype (bug)");
 }
 
 inline void check_cublas(cublasStatus_t status, const char* op) {

@@ -10,13 +10,15 @@
 //   using compute_t = float;
 //   __device__ __forceinline__ compute_t expr(compute_t x0, compute_t x1) { return silu(x0) * x1; }
 //
-// (storage types bf16, f16, float, double; compute_t float or double), and the runtime
-// compiles, once per (text, GPU arch) in the process,
+// (storage types bf16, f16, float, double, and for inputs only f8e4m3 and i8; compute_t
+// float or double), and the runtime compiles, once per (text, GPU arch) in the process,
 //
 //   #define CG_ARITY <kernel.arity>     the number of inputs, 1..kMaxPointwiseArity
 //   kPointwisePrelude                   bf16/f16 (16-bit structs converted through PTX cvt),
+//                                       f8e4m3/i8 (1-byte structs decoded by hand),
 //                                       load/store, silu/gelu/gelu_tanh/relu and their
-//                                       _grad forms for float and double; no includes, so NVRTC needs no include path
+//                                       _grad forms for float and double, round_bf16 and
+//                                       round_f16; no includes, so NVRTC needs no include path
 //   <the generated part>
 //   kPointwiseEpilogue                  the kernels: load the inputs as compute_t, call
 //                                       expr, store out_t
@@ -97,6 +99,11 @@ inline constexpr const char kPointwisePrelude[] = R"cg(
 // codegen pointwise prelude: storage types, conversions and math, before the generated part.
 struct bf16 { unsigned short bits; };
 struct f16 { unsigned short bits; };
+// Quantized values, read only (dequantize's q): float8_e4m3fn (1 sign, 4 exponent bits of
+// bias 7, 3 mantissa bits; no infinities, S.1111.111 is NaN) and int8 (two's complement;
+// int4 values stored unpacked in it read the same).
+struct f8e4m3 { unsigned char bits; };
+struct i8 { unsigned char bits; };
 
 __device__ __forceinline__ unsigned cg_float_bits(float f) {
 #ifdef __CUDA_ARCH__
@@ -181,11 +188,43 @@ __device__ __forceinline__ f16 to_f16(float f) {
   return r;
 }
 
+// Exact on every arch: a normal value's fields move into a float's (exponent bias 7 ->
+// 127), a subnormal one is m * 2^-9, and both NaN encodings are a quiet NaN.
+__device__ __forceinline__ float to_float(f8e4m3 v) {
+  const unsigned sign = (static_cast<unsigned>(v.bits) & 0x80u) << 24;
+  const unsigned exponent = (v.bits >> 3) & 0xfu, mantissa = v.bits & 0x7u;
+  if (exponent == 0xfu && mantissa == 0x7u) return cg_bits_float(sign | 0x7fc00000u);
+  if (exponent == 0) {
+    const float magnitude = static_cast<float>(mantissa) * 0.001953125f;  // 2^-9
+    return sign ? -magnitude : magnitude;
+  }
+  return cg_bits_float(sign | ((exponent + 120u) << 23) | (mantissa << 20));
+}
+
+__device__ __forceinline__ float to_float(i8 v) {
+  return static_cast<float>(static_cast<int>(v.bits) - ((v.bits & 0x80) << 1));
+}
+
+// x rounded to bf16 (f16) and widened back: the value the reference computes with after
+// its .to(bfloat16) (dequantize's scale in its result's dtype).
+__device__ __forceinline__ float round_bf16(float x) { return to_float(to_bf16(x)); }
+__device__ __forceinline__ double round_bf16(double x) {
+  return to_float(to_bf16(static_cast<float>(x)));
+}
+__device__ __forceinline__ float round_f16(float x) { return to_float(to_f16(x)); }
+__device__ __forceinline__ double round_f16(double x) {
+  return to_float(to_f16(static_cast<float>(x)));
+}
+
 // Storage -> compute_t.
 template <class C>
 __device__ __forceinline__ C to_compute(bf16 v) { return static_cast<C>(to_float(v)); }
 template <class C>
 __device__ __forceinline__ C to_compute(f16 v) { return static_cast<C>(to_float(v)); }
+template <class C>
+__device__ __forceinline__ C to_compute(f8e4m3 v) { return static_cast<C>(to_float(v)); }
+template <class C>
+__device__ __forceinline__ C to_compute(i8 v) { return static_cast<C>(to_float(v)); }
 template <class C>
 __device__ __forceinline__ C to_compute(float v) { return static_cast<C>(v); }
 template <class C>
@@ -411,6 +450,16 @@ template <> struct cg_word<4> {
   }
   __device__ __forceinline__ void store(void* p) const { *static_cast<unsigned*>(p) = lanes[0]; }
 };
+// Two 1-byte elements (an int8 input where the widest type is 8 bytes).
+template <> struct cg_word<2> {
+  unsigned lanes[1];
+  __device__ __forceinline__ void load(const void* p) {
+    lanes[0] = *static_cast<const unsigned short*>(p);
+  }
+  __device__ __forceinline__ void store(void* p) const {
+    *static_cast<unsigned short*>(p) = static_cast<unsigned short>(lanes[0]);
+  }
+};
 template <class T> using cg_word_of = cg_word<static_cast<int>(sizeof(T)) * cg_vector>;
 
 template <class T> __device__ __forceinline__ unsigned long long cg_bits(T v) { return v.bits; }
@@ -421,7 +470,7 @@ template <> __device__ __forceinline__ unsigned long long cg_bits(double v) {
   return cg_double_bits(v);
 }
 template <class T> __device__ __forceinline__ T cg_of_bits(unsigned long long b) {
-  return T{static_cast<unsigned short>(b)};
+  return T{static_cast<decltype(T::bits)>(b)};
 }
 template <> __device__ __forceinline__ float cg_of_bits(unsigned long long b) {
   return cg_bits_float(static_cast<unsigned>(b));
@@ -438,8 +487,9 @@ __device__ __forceinline__ T cg_unpack(const cg_word_of<T>& w, int e) {
     return cg_of_bits<T>(w.lanes[2 * e] | high << 32);
   } else {
     constexpr int per_lane = 4 / sizeof(T);
+    constexpr unsigned mask = sizeof(T) == 1 ? 0xffu : sizeof(T) == 2 ? 0xffffu : 0xffffffffu;
     const unsigned lane = w.lanes[e / per_lane] >> (8 * sizeof(T) * (e % per_lane));
-    return cg_of_bits<T>(sizeof(T) == 4 ? lane : lane & 0xffffu);
+    return cg_of_bits<T>(lane & mask);
   }
 }
 

@@ -37,8 +37,9 @@ struct Buffer : View {
   void reset() { tensor = torch::stable::Tensor(); data = nullptr; }
 };
 
-// Element types, as the AOTI shim numbers them.
-enum class DType { Float32, Float16, BFloat16, Float64 };
+// Element types, as the AOTI shim numbers them. Float8E4M3FN and Int8 are quantized
+// values that only pointwise kernels read (dequantize's q), never a GEMM.
+enum class DType { Float32, Float16, BFloat16, Float64, Float8E4M3FN, Int8 };
 
 inline int32_t aoti_dtype(DType t) {
   switch (t) {
@@ -46,6 +47,8 @@ inline int32_t aoti_dtype(DType t) {
     case DType::Float16: return aoti_torch_dtype_float16();
     case DType::BFloat16: return aoti_torch_dtype_bfloat16();
     case DType::Float64: return aoti_torch_dtype_float64();
+    case DType::Float8E4M3FN: return aoti_torch_dtype_float8_e4m3fn();
+    case DType::Int8: return aoti_torch_dtype_int8();
   }
   return -1;
 }
@@ -56,6 +59,8 @@ inline int64_t itemsize(DType t) {
     case DType::Float16: return 2;
     case DType::BFloat16: return 2;
     case DType::Float64: return 8;
+    case DType::Float8E4M3FN: return 1;
+    case DType::Int8: return 1;
   }
   return 0;
 }
@@ -65,6 +70,10 @@ inline const char* dtype_name(int32_t code) {
   if (code == aoti_torch_dtype_float16()) return "float16";
   if (code == aoti_torch_dtype_bfloat16()) return "bfloat16";
   if (code == aoti_torch_dtype_float64()) return "float64";
+  if (code == aoti_torch_dtype_float8_e4m3fn()) return "float8_e4m3fn";
+  if (code == aoti_torch_dtype_float8_e5m2()) return "float8_e5m2";
+  if (code == aoti_torch_dtype_int8()) return "int8";
+  if (code == aoti_torch_dtype_uint8()) return "uint8";
   if (code == aoti_torch_dtype_int64()) return "int64";
   if (code == aoti_torch_dtype_int32()) return "int32";
   if (code == aoti_torch_dtype_bool()) return "bool";
@@ -209,6 +218,21 @@ inline View unflatten(View v, int axis, int64_t outer, int64_t inner) {
   v.sizes[axis + 1] = inner;
   v.strides[axis + 1] = v.strides[axis];
   v.strides[axis] = v.strides[axis] * inner;
+  ++v.dim;
+  return v;
+}
+
+// `v` with a size-1 axis inserted at `axis` (torch.unsqueeze): a pointwise kernel reads it
+// broadcast along that axis (a per-row scale [n] against [n, k] as [n, 1]).
+inline View unsqueeze(View v, int axis) {
+  CG_CHECK(v.dim < kMaxDims && axis >= 0 && axis <= v.dim, "codegen: unsqueeze of a rank-",
+           v.dim, " view at axis ", axis, " (bug)");
+  for (int d = v.dim; d > axis; --d) {
+    v.sizes[d] = v.sizes[d - 1];
+    v.strides[d] = v.strides[d - 1];
+  }
+  v.sizes[axis] = 1;
+  v.strides[axis] = 0;
   ++v.dim;
   return v;
 }
