@@ -25,11 +25,16 @@ changes a model in place):
   while layer l reads the other, the last layer starts layer 0 of the next forward;
 - gpu: the model with every weight on the GPU;
 - copy: the offloaded bytes copied alone from pinned memory, one copy per weight into a
-  preallocated GPU buffer, back to back on one stream (the floor).
+  preallocated GPU buffer, back to back on one stream (the floor);
+- codegen_fp8, codegen_int4: codegen with ``quantize="fp8"`` / ``"int4"`` (each weight
+  streamed quantized and dequantized on the GPU, piece by piece);
+- copy_fp8, copy_int4: the bytes that variant streams (values and scales), copied alone
+  from its arena, one copy per weight, back to back (the floor of the quantized bytes).
 
 ``--tokens``: prefills of that many tokens (no KV cache); 1 is the decode step instead:
 one token after a 512-token prompt, with a KV cache (``DecodeStep``: a ``DynamicCache``,
-each call eager), for codegen, prefetch, gpu and copy. Where codegen is timed, the decode
+each call eager), for codegen, prefetch, gpu, copy and the quantized rows. Where codegen
+is timed, the decode
 step also has the row
 
 - codegen_graph: a model offloaded as codegen's (an arena and staging of its own: an
@@ -66,7 +71,9 @@ memory its capture reserved) plus a replay's peak (none: a replay allocates noth
 host_mib is codegen's arena.
 
 Writes offload_llama.json (rows: tokens, step, kv_cache, cache, graph, variant, ms,
-ratio_copy, ratio_accelerate, gpu_mib, host_mib; cache is the decode step's KV cache,
+ratio_copy, ratio_floor (to the row's own floor: copy_<kind> for a quantized row, copy
+otherwise), ratio_accelerate, over_prefetch (the prefetch's ms over the row's: tokens/s
+over the hand-written prefetch's), gpu_mib, host_mib; cache is the decode step's KV cache,
 "dynamic" or "static", None in a prefill and for the copy floor; graph whether the row
 replays a CUDA graph) to --out and prints the table. Needs a CUDA GPU (``--dry-run`` does
 not: it prints what would run).
@@ -111,8 +118,11 @@ from benchmarks.common import (
 )
 from codegen.nn import StaticDecodeStep, cache_keyword, capture_graph
 
-VARIANTS = ("codegen", "codegen_noprefetch", "accelerate", "prefetch", "gpu", "copy")
-DECODE_VARIANTS = ("codegen", "prefetch", "gpu", "copy")
+QUANTIZED = ("fp8", "int4")  # codegen_<kind>: offload(..., quantize=kind); copy_<kind>: its floor
+VARIANTS = ("codegen", "codegen_noprefetch", "accelerate", "prefetch", "gpu", "copy",
+            *(f"{v}_{k}" for k in QUANTIZED for v in ("codegen", "copy")))
+DECODE_VARIANTS = ("codegen", "prefetch", "gpu", "copy",
+                   *(f"{v}_{k}" for k in QUANTIZED for v in ("codegen", "copy")))
 GRAPHED = {"codegen_graph": "codegen"}  # a decode row replayed from a CUDA graph: its variant
 DECODE_PROMPT = 512  # tokens in the KV cache of the decode step
 SEED = 0
@@ -439,9 +449,14 @@ def make(name: str, config: Any, shapes: list[list[tuple[int, ...]]]) -> Variant
             for w, d in zip(host, dev):
                 d.copy_(w, non_blocking=True)
         return Variant(name, call=copies)
+    if _quantized(name) and name.startswith("copy"):
+        raise ValueError(f"{name} is made from codegen_{_quantized(name)} (copy_floor)")
     model = build(config)
     if name == "gpu":
         return Variant(name, model)
+    if _quantized(name):
+        return Variant(name, codegen.nn.offload(model, slices=8, filter=is_decoder_linear,
+                                                quantize=_quantized(name)))
     if name == "codegen" or _slices(name) or _copy_mib(name) or name in GRAPHED:
         copy_mib = _copy_mib(name)
         return Variant(name, codegen.nn.offload(
@@ -462,6 +477,35 @@ def make(name: str, config: Any, shapes: list[list[tuple[int, ...]]]) -> Variant
     raise ValueError(f"unknown variant {name!r}")
 
 
+def copy_floor(source: Variant) -> Variant:
+    """The bytes ``source`` (a quantized variant) streams a forward, copied alone from
+    its arena, each weight whole, back to back: the floor of its quantized bytes."""
+    plan = codegen.nn.offload_plan(source.model)
+    arena = codegen.nn.arena(source.model).storage
+    spans = [(lay.weight_offset, lay.weight_bytes) for lay in plan.streamed]
+    largest = max(n for _, n in spans)
+    dst = [torch.empty(largest, dtype=torch.uint8, device="cuda") for _ in range(2)]
+
+    def copies() -> None:
+        for k, (at, n) in enumerate(spans):
+            dst[k % 2][:n].copy_(arena[at:at + n], non_blocking=True)
+
+    return Variant(source.name.replace("codegen", "copy", 1), call=copies)
+
+
+def _quantized(name: str) -> str | None:
+    """The format of a ``codegen_<kind>`` or ``copy_<kind>`` variant, else None."""
+    found = re.fullmatch(r"(?:codegen|copy)_(fp8|int4)", name)
+    return found.group(1) if found else None
+
+
+def _floor_of(name: str) -> str:
+    """The copy floor row a variant's ``ratio_floor`` is taken to: its quantized bytes'
+    for a quantized variant, else the bf16 weights'."""
+    kind = _quantized(name)
+    return f"copy_{kind}" if kind else "copy"
+
+
 def _slices(name: str) -> int | None:
     """N of a ``codegen_s<N>`` variant, else None."""
     found = re.fullmatch(r"codegen_s([1-9][0-9]*)", name)
@@ -480,7 +524,8 @@ def _codegen(name: str) -> bool:
 
 
 def set_up(name: str, config: Any, shapes: list[list[tuple[int, ...]]], ids: torch.Tensor,
-           reference: torch.Tensor | None) -> tuple[Variant, torch.Tensor | None]:
+           reference: torch.Tensor | None,
+           built: dict[str, Variant]) -> tuple[Variant, torch.Tensor | None]:
     """Builds variant ``name`` and runs one prefill of ``ids`` (which also compiles and
     allocates what the first forward does); measures the GPU bytes it keeps beyond its
     resident model and the pinned host bytes it took; compares its logits with
@@ -488,7 +533,8 @@ def set_up(name: str, config: Any, shapes: list[list[tuple[int, ...]]], ids: tor
     gc.collect()
     torch.cuda.synchronize()
     gpu0, host0 = torch.cuda.memory_allocated(), pinned_host_bytes()
-    v = make(name, config, shapes)
+    v = (copy_floor(built[f"codegen_{_quantized(name)}"])
+         if _quantized(name) and name.startswith("copy") else make(name, config, shapes))
     logits, resident = None, 0
     if v.model is not None:
         logits = forward(v.model, ids)
@@ -533,13 +579,18 @@ def summarize(tokens: int, times: dict[str, list[float]], gpu_mib: dict[str, flo
     dynamic one, the copy floor none), graph whether the row replays a CUDA graph."""
     rows = []
     for v, t in times.items():
-        decode = tokens == 1 and v != "copy"
+        decode = tokens == 1 and not v.startswith("copy")
         rows.append({
             "tokens": tokens, "step": "decode" if tokens == 1 else "prefill",
             "kv_cache": tokens == 1,
             "cache": ("static" if v in GRAPHED else "dynamic") if decode else None,
             "graph": v in GRAPHED, "variant": v, "ms": statistics.median(t),
             "ratio_copy": median_ratio(t, times["copy"]) if "copy" in times else None,
+            "ratio_floor": (median_ratio(t, times[_floor_of(v)]) if _floor_of(v) in times
+                            else None),
+            # tokens/s over the hand-written prefetch's: its ms over this row's, per round
+            "over_prefetch": (1 / median_ratio(t, times["prefetch"]) if "prefetch" in times
+                              else None),
             "ratio_accelerate": (median_ratio(t, times["accelerate"])
                                  if "accelerate" in times else None),
             "gpu_mib": gpu_mib[v], "host_mib": host_mib[v], "rounds": len(t)})
@@ -551,11 +602,12 @@ def table(rows: list[dict[str, Any]]) -> str:
     def ratio(x: float | None) -> str:
         return f"{x:9.3f}" if x is not None else f"{'-':>9}"
 
-    lines = [f"{'step':8}{'tokens':>7} {'variant':19}{'ms':>9}{'/ copy':>9}{'/ accel':>9}"
-             f"{'gpu_mib':>10}{'host_mib':>10}"]
+    lines = [f"{'step':8}{'tokens':>7} {'variant':19}{'ms':>9}{'/ copy':>9}{'/ floor':>9}"
+             f"{'/ accel':>9}{'x pref':>9}{'gpu_mib':>10}{'host_mib':>10}"]
     for r in rows:
         lines.append(f"{r['step']:8}{r['tokens']:7} {r['variant']:19}{r['ms']:9.2f}"
-                     f"{ratio(r['ratio_copy'])}{ratio(r['ratio_accelerate'])}"
+                     f"{ratio(r['ratio_copy'])}{ratio(r.get('ratio_floor'))}"
+                     f"{ratio(r['ratio_accelerate'])}{ratio(r.get('over_prefetch'))}"
                      f"{r['gpu_mib']:10.1f}{r['host_mib']:10.1f}")
     return "\n".join(lines)
 
@@ -653,9 +705,10 @@ def set_up_all(variants: Sequence[str], config: Any, shapes: list[list[tuple[int
     torch.nn.functional.linear(x, x)
     built: dict[str, Variant] = {}
     reference = None
-    for name in sorted(variants, key=lambda v: v != "gpu"):
+    # The GPU-resident model first (the others' reference), a quantized floor after its model.
+    for name in sorted(variants, key=lambda v: (v != "gpu", v.startswith("copy_"))):
         try:
-            v, logits = set_up(name, config, shapes, prompt, reference)
+            v, logits = set_up(name, config, shapes, prompt, reference, built)
         except Exception as e:  # the other variants' rows are still worth the GPU time
             traceback.print_exc()
             notes.append(f"FAILED: {name} could not be set up: {type(e).__name__}: {e}")
@@ -673,7 +726,7 @@ def set_up_all(variants: Sequence[str], config: Any, shapes: list[list[tuple[int
     return built
 
 
-GENERATE_VARIANTS = ("codegen", "prefetch", "gpu", "copy")
+GENERATE_VARIANTS = DECODE_VARIANTS
 
 
 def measure_generate(built: dict[str, Variant], new_tokens: int, names: Sequence[str],

@@ -653,15 +653,31 @@ def test_offload_llama_rows_take_medians_of_per_round_ratios():
     assert decode[1]["ratio_copy"] == 0.5 and decode[1]["ratio_accelerate"] is None
     json.dumps(rows)
     text = ol.table(decode)
-    assert "decode" in text and text.splitlines()[2].split()[5] == "-"
+    assert "decode" in text and text.splitlines()[2].split()[6] == "-"  # / accel
+    # A quantized row's floor is its own quantized bytes' copy; x pref is tokens/s over
+    # the hand-written prefetch's, per round.
+    times = {"copy": [10.0, 10.0], "copy_int4": [3.0, 2.5], "codegen_int4": [3.3, 3.0],
+             "prefetch": [10.0, 12.0], "codegen": [10.5, 10.0]}
+    rows = {r["variant"]: r for r in ol.summarize(1, times, dict.fromkeys(times, 0.0),
+                                                  dict.fromkeys(times, 0.0))}
+    assert rows["codegen_int4"]["ratio_floor"] == pytest.approx(1.15)  # 1.1 and 1.2
+    assert rows["codegen_int4"]["ratio_copy"] == pytest.approx(0.315)
+    assert rows["codegen_int4"]["over_prefetch"] == pytest.approx(1 / ((3.3 / 10 + 3 / 12) / 2))
+    assert rows["codegen"]["ratio_floor"] == rows["codegen"]["ratio_copy"] == 1.025
+    assert rows["copy_int4"]["cache"] is None and rows["codegen_int4"]["cache"] == "dynamic"
 
 
 def test_offload_llama_steps_and_rounds():
     from benchmarks import offload_llama as ol
 
     names = list(ol.VARIANTS)
-    assert ol.steps([512, 1], names) == [(512, names),
-                                         (1, ["codegen", "prefetch", "gpu", "copy"])]
+    assert ol.steps([512, 1], names) == [
+        (512, names), (1, ["codegen", "prefetch", "gpu", "copy", "codegen_fp8", "copy_fp8",
+                           "codegen_int4", "copy_int4"])]
+    assert [ol._quantized(v) for v in ("codegen_fp8", "copy_int4", "codegen", "copy",
+                                       "codegen_int8")] == ["fp8", "int4", None, None, None]
+    assert [ol._floor_of(v) for v in ("codegen_fp8", "copy_fp8", "codegen_s4")] == [
+        "copy_fp8", "copy_fp8", "copy"]
     assert ol.steps([1], ["codegen_s4", "accelerate"]) == [(1, ["codegen_s4"])]
     assert [ol._slices(v) for v in ("codegen_s4", "codegen_s16", "codegen", "codegen_s0",
                                     "codegen_s4x")] == [4, 16, None, None, None]
