@@ -257,6 +257,7 @@ def test_the_fused_dequantization_kernel_equals_torchs_ops_bit_for_bit(kind, dty
     quantize_weight."""
     from codegen.nn.quantize import (
         _fused,
+        _kernel,
         dequantize_reference,
         pack_rows,
         row_bytes,
@@ -264,6 +265,7 @@ def test_the_fused_dequantization_kernel_equals_torchs_ops_bit_for_bit(kind, dty
         unpack_rows_eager,
     )
 
+    assert _kernel(kind, dtype, torch.device("cuda")) is not None  # NVRTC built it
     torch.manual_seed(3)
     rows, features = 96, 512
     w = torch.randn(rows, features, dtype=dtype, device="cuda")

@@ -363,3 +363,22 @@ def test_weights_quantize_in_blocks_of_rows_as_they_do_whole():
         assert torch.equal(arenas[0], arenas[1])
         assert torch.equal(arenas[0].view(300, -1), pack_rows(*codegen.nn.quantize_weight(
             w, kind), kind))
+
+
+def test_a_fused_kernel_that_does_not_build_falls_back_to_torchs_ops_and_says_so_once(
+        monkeypatch, caplog):
+    """Where NVRTC cannot build the GPU's fused dequantization, the pieces are dequantized
+    with torch's elementwise ops, and a warning says so once per format and dtype."""
+    from codegen.nn import quantize
+
+    def no_nvrtc(code):
+        raise RuntimeError("nvrtc: not found")
+
+    monkeypatch.setattr(quantize, "_JIT", {})
+    monkeypatch.setattr(torch.cuda.jiterator, "_create_jit_fn", no_nvrtc)
+    with caplog.at_level("WARNING", logger="codegen.nn"):
+        for _ in range(2):
+            assert quantize._kernel("int4", torch.bfloat16, torch.device("cpu")) is None
+    assert [r.getMessage() for r in caplog.records] == [
+        "codegen.nn.offload: the fused int4 dequantization kernel did not build (nvrtc: not "
+        "found); dequantizing with torch's elementwise ops instead"]

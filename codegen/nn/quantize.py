@@ -128,15 +128,10 @@ def unpack_rows(raw: torch.Tensor, kind: str, in_features: int,
     """The weight rows (``dtype`` [rows, in_features]) of raw arena rows (uint8 [rows,
     row_bytes], a view of the staging or a copy): ``dequantize_reference`` of what
     ``pack_rows`` stored, run where ``raw`` is: on a GPU in one fused kernel
-    (:func:`_fused`), elsewhere with torch's ops (:func:`unpack_rows_eager`)."""
-    if raw.is_cuda and raw.shape[0] and _JIT.get("broken") is None:
-        try:
-            return _fused(raw, kind, in_features, dtype)
-        except RuntimeError as e:  # no NVRTC here: torch's ops, and say so once
-            _JIT["broken"] = e
-            logging.getLogger("codegen.nn").warning(
-                "codegen.nn.offload: the fused dequantization kernel did not build (%s); "
-                "dequantizing with torch's elementwise ops instead", e)
+    (:func:`_fused`), elsewhere, or where that kernel cannot be built, with torch's ops
+    (:func:`unpack_rows_eager`)."""
+    if raw.is_cuda and raw.shape[0] and _kernel(kind, dtype, raw.device) is not None:
+        return _fused(raw, kind, in_features, dtype)
     return unpack_rows_eager(raw, kind, in_features, dtype)
 
 
@@ -160,27 +155,46 @@ template <typename T> T cg_dequantize_int4(T packed, T high, T scale) {
   const int v = (static_cast<float>(high) != 0.0f ? b >> 4 : b) & 15;
   return T(static_cast<float>(v - ((v & 8) << 1))) * scale;
 }"""
-_JIT: dict[str, Any] = {}
+_JIT: dict[Any, Any] = {}  # (kind, dtype) -> the jitted function, or None where it failed
+
+
+def _kernel(kind: str, dtype: torch.dtype, device: torch.device) -> Any:
+    """The jitted dequantization of ``kind`` into ``dtype``, built and run once on a row of
+    zeros the first time (jiterator compiles at its first launch); None, said once, where
+    NVRTC cannot build it. Errors of later calls (out of memory) are the caller's."""
+    key = (kind, dtype)
+    if key not in _JIT:
+        _JIT[key] = None
+        try:
+            fn = torch.cuda.jiterator._create_jit_fn(
+                _FP8_KERNEL if kind == "fp8" else _INT4_KERNEL)
+            _JIT[key] = fn
+            features = INT4_GROUP
+            _fused(torch.zeros(1, row_bytes(kind, features, dtype), dtype=torch.uint8,
+                               device=device), kind, features, dtype)
+        except RuntimeError as e:
+            _JIT[key] = None
+            logging.getLogger("codegen.nn").warning(
+                "codegen.nn.offload: the fused %s dequantization kernel did not build (%s); "
+                "dequantizing with torch's elementwise ops instead", kind, e)
+    return _JIT[key]
 
 
 def _fused(raw: torch.Tensor, kind: str, in_features: int, dtype: torch.dtype) -> torch.Tensor:
-    """``unpack_rows`` on a GPU: one kernel reads the rows' bytes and scales where they
-    lie and writes the weight rows."""
+    """``unpack_rows`` on a GPU: one kernel (``_kernel``) reads the rows' bytes and scales
+    where they lie and writes the weight rows."""
     rows = raw.shape[0]
     n = in_features if kind == "fp8" else in_features // 2
     scale = raw[:, n:].view(dtype)  # [rows, groups]: each row's scales, after its values
+    fn = _JIT[(kind, dtype)]
     if kind == "fp8":
-        if "fp8" not in _JIT:
-            _JIT["fp8"] = torch.cuda.jiterator._create_jit_fn(_FP8_KERNEL)
-        return _JIT["fp8"](raw[:, :n], scale)
-    if "int4" not in _JIT:
-        _JIT["int4"] = torch.cuda.jiterator._create_jit_fn(_INT4_KERNEL)
+        return fn(raw[:, :n], scale)
     key = ("high", raw.device, dtype)
     if key not in _JIT:
         _JIT[key] = torch.tensor([0, 1], dtype=dtype, device=raw.device)
     groups = scale.shape[1]
     packed = raw[:, :n].view(rows, groups, INT4_GROUP // 2, 1)
-    out = _JIT["int4"](packed, _JIT[key], scale.view(rows, groups, 1, 1))
+    out = fn(packed, _JIT[key], scale.view(rows, groups, 1, 1))
     return out.reshape(rows, in_features)
 
 
