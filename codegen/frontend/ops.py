@@ -589,7 +589,10 @@ def _dequantize_shapes(q: Any, scale: Any, g: int | None) -> None:
         groups = None if fixed_k is None else fixed_k // g
         want.append((f"{k} / {g}" if groups is None else str(groups), groups))
         why = f"one scale per group of {g} elements of a row of q"
-    if scale.ndim != len(want) or any(
+    # A named K shared with the scale's groups axis could only hold K = K / g: never, for g > 1.
+    same_k = (g is not None and g > 1 and scale.ndim == 2 and _fixed(k) is None
+              and str(scale.shape[1]) == str(k))
+    if same_k or scale.ndim != len(want) or any(
             _fixed(e) is not None and w is not None and _fixed(e) != w
             for e, (_, w) in zip(scale.shape, want)):
         spelled = ", ".join(t for t, _ in want)
