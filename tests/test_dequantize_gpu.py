@@ -58,19 +58,25 @@ KINDS = {"fp8-rows": (FP8, None, False), "int4-groups": (I8, 32, True),
 @pytest.mark.parametrize("dtype", [BF16, F16, F32])
 @pytest.mark.parametrize("scale_dtype", [BF16, F16, F32])
 def test_gpu_dequantize_is_the_reference_bit_for_bit(cache_dir, kind, dtype, scale_dtype):
-    """Rows in 3 stream slices (ragged), contiguous inputs (the vector kernel) and q
-    read transposed (the strided one); every value of q and scales over all binades."""
+    """Rows in 3 stream slices (ragged), contiguous inputs (the vector kernel, and rows
+    that are not a multiple of its width), q read transposed and q starting one byte into
+    its allocation (the strided kernel); every value of q and scales over all binades."""
     q_dtype, group_size, int4 = KINDS[kind]
     name = f"dq_{kind.replace('-', '_')}_{str(dtype)[6:]}_{str(scale_dtype)[6:]}"
     op = cg.compile(dequantize_fusion(name, q_dtype, scale_dtype, group_size, dtype, 3))
     gen = torch.Generator().manual_seed(11)
-    for n, k in ((37, 256), (5, 64)):
+    sizes = ((37, 256), (5, 64)) + (((9, 7), (6, 13), (11, 520)) if group_size is None
+                                    else ((6, 13 * group_size),))
+    for n, k in sizes:
         q = random_q(n, k, q_dtype, gen, int4)
         s = random_scale((n,) if group_size is None else (n, k // group_size), scale_dtype, gen)
         want = dequantize_reference(q, s, dtype)
         assert_bitwise(op(q.to(CUDA), s.to(CUDA)).cpu(), want)
         strided = q.t().contiguous().to(CUDA).t()  # column-major: the strided kernel
         assert_bitwise(op(strided, s.to(CUDA)).cpu(), want)
+        shifted = torch.empty(n * k + 1, dtype=q_dtype, device=CUDA)[1:].view(n, k)
+        shifted.copy_(q.to(CUDA))  # one byte off the allocation's alignment
+        assert_bitwise(op(shifted, s.to(CUDA)).cpu(), want)
 
 
 def test_gpu_per_row_dequantize_fused_with_a_bias_is_the_evaluator(cache_dir):
