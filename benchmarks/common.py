@@ -452,3 +452,39 @@ def is_decoder_linear(name: str, module: torch.nn.Module) -> bool:
     return name.startswith("model.layers.")
 
 
+
+
+def arena_copies(model: Any) -> Callable[[], None]:
+    """The bytes ``model`` (offloaded by ``codegen.nn.offload``) streams a forward, copied
+    alone from its arena, each weight whole, back to back on the current stream into two
+    GPU buffers: the floor of what it streams (quantized bytes and scales included)."""
+    import codegen.nn
+
+    plan = codegen.nn.offload_plan(model)
+    arena = codegen.nn.arena(model).storage
+    spans = [(lay.weight_offset, lay.weight_bytes) for lay in plan.streamed]
+    largest = max(n for _, n in spans)
+    dst = [torch.empty(largest, dtype=torch.uint8, device="cuda") for _ in range(2)]
+
+    def copies() -> None:
+        for k, (at, n) in enumerate(spans):
+            dst[k % 2][:n].copy_(arena[at:at + n], non_blocking=True)
+
+    return copies
+
+
+def generate_ms(model: Any, prompt: torch.Tensor, tokens: int,
+                mask: torch.Tensor | None | str = "ones") -> float:
+    """Wall-clock ms of greedy ``generate`` of ``tokens`` new tokens after ``prompt`` (the
+    host reads every token), the device synchronized before and after; ``mask``: the
+    attention mask, all ones by default, None for none."""
+    import time
+
+    if isinstance(mask, str):
+        mask = torch.ones_like(prompt)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    model.generate(prompt, attention_mask=mask, max_new_tokens=tokens, min_new_tokens=tokens,
+                   do_sample=False)
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) * 1e3

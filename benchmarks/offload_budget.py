@@ -61,7 +61,16 @@ from typing import Any
 import torch
 
 import codegen.nn
-from benchmarks.common import RESULTS, bind, is_decoder_linear, median_ratio, peak_mib, rotated
+from benchmarks.common import (
+    RESULTS,
+    arena_copies,
+    bind,
+    generate_ms,
+    is_decoder_linear,
+    median_ratio,
+    peak_mib,
+    rotated,
+)
 from benchmarks.offload_llama import DECODE_PROMPT, DecodeStep, LayerPrefetch, forward
 from codegen.nn.offload import _resident, default_staging
 from codegen.nn.plan import format_bytes, place
@@ -172,16 +181,7 @@ def codegen_row(config: Any, percent: int, quantize: str | None = None) -> Built
 def copy_row(source: Built) -> Built:
     """The weights ``source`` streams, copied alone from its arena, whole, back to back."""
     plan = codegen.nn.offload_plan(source.model)
-    arena = codegen.nn.arena(source.model).storage
-    spans = [(lay.weight_offset, lay.weight_bytes) for lay in plan.streamed]
-    largest = max(n for _, n in spans)
-    dst = [torch.empty(largest, dtype=torch.uint8, device="cuda") for _ in range(2)]
-
-    def copies() -> None:
-        for k, (at, n) in enumerate(spans):
-            dst[k % 2][:n].copy_(arena[at:at + n], non_blocking=True)
-
-    return Built(source.name.replace("codegen", "copy"), call=copies,
+    return Built(source.name.replace("codegen", "copy"), call=arena_copies(source.model),
                  streamed_mib=plan.streamed_bytes / 2**20)
 
 
@@ -237,16 +237,6 @@ def timed(calls: dict[str, Callable[[], Any]], rounds: int) -> dict[str, list[fl
         for v in rotated(list(calls), r):
             times[v].append(_call_ms(calls[v], reps[v]))
     return times
-
-
-def generate_ms(model: Any, prompt: torch.Tensor, n: int) -> float:
-    mask = torch.ones_like(prompt)
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    model.generate(prompt, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
-                   do_sample=False)
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) * 1e3
 
 
 def rows_of(step: str, tokens: int, times: dict[str, list[float]],

@@ -104,9 +104,11 @@ import codegen.nn
 from benchmarks.common import (
     RESULTS,
     Block,
+    arena_copies,
     bind,
     build,
     estimate_ms,
+    generate_ms,
     is_decoder_linear,
     llama_config,
     median_ratio,
@@ -480,17 +482,7 @@ def make(name: str, config: Any, shapes: list[list[tuple[int, ...]]]) -> Variant
 def copy_floor(source: Variant) -> Variant:
     """The bytes ``source`` (a quantized variant) streams a forward, copied alone from
     its arena, each weight whole, back to back: the floor of its quantized bytes."""
-    plan = codegen.nn.offload_plan(source.model)
-    arena = codegen.nn.arena(source.model).storage
-    spans = [(lay.weight_offset, lay.weight_bytes) for lay in plan.streamed]
-    largest = max(n for _, n in spans)
-    dst = [torch.empty(largest, dtype=torch.uint8, device="cuda") for _ in range(2)]
-
-    def copies() -> None:
-        for k, (at, n) in enumerate(spans):
-            dst[k % 2][:n].copy_(arena[at:at + n], non_blocking=True)
-
-    return Variant(source.name.replace("codegen", "copy", 1), call=copies)
+    return Variant(source.name.replace("codegen", "copy", 1), call=arena_copies(source.model))
 
 
 def _quantized(name: str) -> str | None:
@@ -735,17 +727,8 @@ def measure_generate(built: dict[str, Variant], new_tokens: int, names: Sequence
     ``new_tokens`` + 1 tokens after ``prompt``, timed on the host around each call (it
     reads every token); ms per token is their difference over ``new_tokens``. The copy
     floor's row is one forward's weights copied alone (ms per call)."""
-    import time
-
-    mask = torch.ones_like(prompt)
-
     def generate(model: Any, n: int) -> float:
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        model.generate(prompt, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
-                       do_sample=False)
-        torch.cuda.synchronize()
-        return (time.perf_counter() - start) * 1e3
+        return generate_ms(model, prompt, n)
 
     variants = [v for v in names if v in GENERATE_VARIANTS]
     for v in variants:  # warm-up: compiles, allocates the caches

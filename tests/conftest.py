@@ -37,3 +37,13 @@ def cache_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("codegen-cache")
     os.environ["CODEGEN_CACHE_DIR"] = str(path)
     return path
+
+
+@pytest.fixture
+def no_tf32():
+    """GEMMs in full fp32 while the test runs (exact comparisons against torch), restored
+    after."""
+    saved = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32 = saved

@@ -24,16 +24,9 @@ import codegen as cg
 from codegen.examples import QUANTIZED_EXAMPLES
 from codegen.nn.quantize import dequantize_reference, quantize_weight
 
-pytestmark = [pytest.mark.gpu, pytest.mark.build]
+pytestmark = [pytest.mark.gpu, pytest.mark.build, pytest.mark.usefixtures("no_tf32")]
 CUDA = "cuda"
 
-
-@pytest.fixture(autouse=True)
-def no_tf32():
-    saved = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32 = saved
 
 
 def dequantize_fusion(name, q_dtype, scale_dtype, group_size, dtype, slices):

@@ -9,16 +9,9 @@ from conftest import ints
 import codegen as cg
 from codegen import examples as ex
 
-pytestmark = [pytest.mark.gpu, pytest.mark.build]
+pytestmark = [pytest.mark.gpu, pytest.mark.build, pytest.mark.usefixtures("no_tf32")]
 CUDA = "cuda"
 
-
-@pytest.fixture(autouse=True)
-def no_tf32():
-    saved = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32 = saved
 
 
 @pytest.fixture(scope="module")

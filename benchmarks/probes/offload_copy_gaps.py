@@ -30,7 +30,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import codegen.nn
-from benchmarks.common import build, is_decoder_linear, llama_config
+from benchmarks.common import build, generate_ms, is_decoder_linear, llama_config
 
 
 def offloaded(config: str) -> torch.nn.Module:
@@ -106,23 +106,15 @@ def conditions(model: torch.nn.Module, prompt: torch.Tensor, host: list[float],
     (transformers then builds none)."""
     streamer = model._codegen_offload.streamer
 
-    def timed(tokens: int, mask: torch.Tensor | None) -> float:
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        model.generate(prompt, attention_mask=mask, max_new_tokens=tokens,
-                       min_new_tokens=tokens, do_sample=False)
-        torch.cuda.synchronize()
-        return (time.perf_counter() - start) * 1e3
-
     def run(name: str) -> tuple[float, list[float]]:
         mask = None if name == "no mask" else torch.ones_like(prompt)
         streamer.probe_waits = name != "no wait probes"
         if name == "gc off":
             gc.disable()
         try:
-            one = timed(1, mask)
+            one = generate_ms(model, prompt, 1, mask)
             host.clear()
-            ms = (timed(n + 1, mask) - one) / n
+            ms = (generate_ms(model, prompt, n + 1, mask) - one) / n
             return ms, list(host)
         finally:
             gc.enable()
@@ -151,12 +143,7 @@ def generate(model: torch.nn.Module, config: str, n: int) -> None:
     model.register_forward_hook(lambda *a: host.append(time.perf_counter() - host.pop()))
 
     def run(tokens: int) -> float:
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        model.generate(prompt, attention_mask=mask, max_new_tokens=tokens,
-                       min_new_tokens=tokens, do_sample=False)
-        torch.cuda.synchronize()
-        return (time.perf_counter() - start) * 1e3
+        return generate_ms(model, prompt, tokens, mask)
 
     run(2)
     conditions(model, prompt, host, n)
