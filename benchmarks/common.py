@@ -473,18 +473,16 @@ def arena_copies(model: Any) -> Callable[[], None]:
     return copies
 
 
-def generate_ms(model: Any, prompt: torch.Tensor, tokens: int,
-                mask: torch.Tensor | None | str = "ones") -> float:
+def generate_ms(model: Any, prompt: torch.Tensor, tokens: int, mask: bool = True) -> float:
     """Wall-clock ms of greedy ``generate`` of ``tokens`` new tokens after ``prompt`` (the
-    host reads every token), the device synchronized before and after; ``mask``: the
-    attention mask, all ones by default, None for none."""
+    host reads every token), the device synchronized before and after; with an attention
+    mask of ones, or (``mask=False``) none."""
     import time
 
-    if isinstance(mask, str):
-        mask = torch.ones_like(prompt)
+    attention_mask = torch.ones_like(prompt) if mask else None
     torch.cuda.synchronize()
     start = time.perf_counter()
-    model.generate(prompt, attention_mask=mask, max_new_tokens=tokens, min_new_tokens=tokens,
-                   do_sample=False)
+    model.generate(prompt, attention_mask=attention_mask, max_new_tokens=tokens,
+                   min_new_tokens=tokens, do_sample=False)
     torch.cuda.synchronize()
     return (time.perf_counter() - start) * 1e3

@@ -438,9 +438,11 @@ class Variant:
     error: float | None = None
 
 
-def make(name: str, config: Any, shapes: list[list[tuple[int, ...]]]) -> Variant:
+def make(name: str, config: Any, shapes: list[list[tuple[int, ...]]],
+         built: dict[str, Variant]) -> Variant:
     """Variant ``name``, built (``shapes``: the decoder Linears' weight shapes, for the
-    copy floor)."""
+    copy floor; ``built``: the variants set up before it, a quantized floor's model
+    among them)."""
     if name == "copy":
         host = [torch.zeros(s, dtype=torch.bfloat16, pin_memory=True)
                 for layer in shapes for s in layer]
@@ -452,7 +454,7 @@ def make(name: str, config: Any, shapes: list[list[tuple[int, ...]]]) -> Variant
                 d.copy_(w, non_blocking=True)
         return Variant(name, call=copies)
     if _quantized(name) and name.startswith("copy"):
-        raise ValueError(f"{name} is made from codegen_{_quantized(name)} (copy_floor)")
+        return copy_floor(built[f"codegen_{_quantized(name)}"])
     model = build(config)
     if name == "gpu":
         return Variant(name, model)
@@ -525,8 +527,7 @@ def set_up(name: str, config: Any, shapes: list[list[tuple[int, ...]]], ids: tor
     gc.collect()
     torch.cuda.synchronize()
     gpu0, host0 = torch.cuda.memory_allocated(), pinned_host_bytes()
-    v = (copy_floor(built[f"codegen_{_quantized(name)}"])
-         if _quantized(name) and name.startswith("copy") else make(name, config, shapes))
+    v = make(name, config, shapes, built)
     logits, resident = None, 0
     if v.model is not None:
         logits = forward(v.model, ids)

@@ -8,7 +8,7 @@ import copy
 
 import pytest
 import torch
-from helpers import assert_same_greedy_generate, tiny_llama
+from helpers import allocated, assert_same_greedy_generate, tiny_llama
 from torch import nn
 
 import codegen.nn
@@ -49,11 +49,6 @@ def test_the_placement_holds_the_budget_and_spreads_the_resident_bytes(share):
     for q in range(4):
         in_quarter = sum(1 for i in kept if q * 10 <= i < (q + 1) * 10)
         assert abs(in_quarter - len(kept) / 4) <= 1.5, (q, sorted(kept))
-
-
-def allocated(n):
-    """What the caching allocator takes for a tensor of n bytes (multiples of 512)."""
-    return -(-n // 512) * 512
 
 
 def test_linears_of_different_sizes_are_placed_within_the_budget_as_allocated():

@@ -185,11 +185,6 @@ def test_a_weight_written_on_the_gpu_between_forwards_is_read_new(cache_dir):
                                    atol=1e-5)
 
 
-def _allocated(nbytes):
-    """What the caching allocator takes for a tensor of ``nbytes`` (multiples of 512)."""
-    return -(-nbytes // 512) * 512
-
-
 @pytest.mark.parametrize("share", [0.4, 0.6])
 def test_a_gpu_budget_bounds_the_offloaded_weights_on_the_gpu(share):
     """A budget that holds the default staging (half a decoder layer: a quarter of this
@@ -202,7 +197,7 @@ def test_a_gpu_budget_bounds_the_offloaded_weights_on_the_gpu(share):
     weights = {id(m.weight) for _, m in linears}
     total = sum(m.weight.numel() * 2 for _, m in linears)
     # The rest of the model moves to the GPU too, each tensor as the allocator rounds it.
-    rest = sum(_allocated(t.nbytes) for t in (*ref.parameters(), *ref.buffers())
+    rest = sum(helpers.allocated(t.nbytes) for t in (*ref.parameters(), *ref.buffers())
                if id(t) not in weights)
     budget = int(share * total)
     model = copy.deepcopy(ref)

@@ -107,7 +107,7 @@ def conditions(model: torch.nn.Module, prompt: torch.Tensor, host: list[float],
     streamer = model._codegen_offload.streamer
 
     def run(name: str) -> tuple[float, list[float]]:
-        mask = None if name == "no mask" else torch.ones_like(prompt)
+        mask = name != "no mask"
         streamer.probe_waits = name != "no wait probes"
         if name == "gc off":
             gc.disable()
@@ -137,13 +137,12 @@ def generate(model: torch.nn.Module, config: str, n: int) -> None:
     """Greedy generate of ``n`` tokens after a 512-token prompt: ms per token, the host
     time of each forward, the last forward's report, and the copy engine's gaps."""
     prompt = torch.randint(0, 32000, (1, 512), device="cuda")
-    mask = torch.ones_like(prompt)
     host: list[float] = []
     model.register_forward_pre_hook(lambda *a: host.append(time.perf_counter()))
     model.register_forward_hook(lambda *a: host.append(time.perf_counter() - host.pop()))
 
     def run(tokens: int) -> float:
-        return generate_ms(model, prompt, tokens, mask)
+        return generate_ms(model, prompt, tokens)
 
     run(2)
     conditions(model, prompt, host, n)
