@@ -3,6 +3,7 @@
     python -m benchmarks.offload_budget [--budgets 0,25,50,75] [--tokens 512,4096,1]
                                         [--generate N] [--rounds N] [--layers N]
                                         [--variants codegen,accelerate,prefetch,gpu,copy]
+                                        [--quantize fp8,int4] [--staging MiB,...]
                                         [--out DIR] [--dry-run]
 
 32 layers, h 4096, i 14336, 32 heads, 8 kv heads, vocab 128256, bf16, random weights built
@@ -23,12 +24,17 @@ once and timed interleaved:
   pinned arena on one stream (the floor of that budget);
 - with ``--quantize fp8,int4``: codegen_p<p>_<kind> (``quantize=<kind>``, at each budget of
   ``--quantize-budgets``, default 0) and copy_p<p>_<kind>, the floor of its quantized
-  bytes; ``prefetch_over`` is the prefetch's (bf16) ms over the row's.
+  bytes, and dequant_p<p>_<kind>, the GPU time of dequantizing every weight that row
+  streams once (from its arena rows put on the GPU); ``prefetch_over`` is the prefetch's
+  (bf16) ms over the row's;
+- with ``--staging MiB,...``: each codegen row again (and its floor) with
+  ``offload(..., staging=MiB)``, named ``..._s<MiB>``.
 
 Steps: prefills of ``--tokens`` tokens (1: the decode step of ``offload_llama``, one token
 after a 512-token prompt with a ``DynamicCache``), and with ``--generate N`` greedy
 ``generate`` of N tokens (tokens/s). Ratios are medians of per-round ratios;
-``vs_floor`` is ms over max(copy_p<p>, gpu) of the same round, the target's measure.
+``vs_floor`` is ms over max(copy_p<p>, gpu) of the same round, the target's measure (for
+a quantized row: over max(its copy floor, gpu + its dequant row)).
 
 Memory, per codegen row: ``budget_mib``; ``held_mib``, what offload() keeps on the GPU
 beyond the rest of the model (the resident Linears, the ring and the bias buffer, read
@@ -74,6 +80,7 @@ from benchmarks.common import (
 from benchmarks.offload_llama import DECODE_PROMPT, DecodeStep, LayerPrefetch, forward
 from codegen.nn.offload import _resident, default_staging
 from codegen.nn.plan import format_bytes, place
+from codegen.nn.quantize import dequantizer
 
 SEED = 0
 DEFAULT_BUDGETS = (0, 25, 50, 75)
@@ -138,7 +145,8 @@ class Built:
 FROM_GPU = False  # --offload-from-gpu: offload the model where it was built (faster set-up)
 
 
-def codegen_row(config: Any, percent: int, quantize: str | None = None) -> Built:
+def codegen_row(config: Any, percent: int, quantize: str | None = None,
+                staging_mib: int | None = None) -> Built:
     """The model offloaded from host memory (where a model that does not fit is), so that
     offload()'s own peak is what it puts on the GPU: the rest of the model, the resident
     Linears and the staging. With ``FROM_GPU``, from the GPU it was built on: the held
@@ -156,14 +164,18 @@ def codegen_row(config: Any, percent: int, quantize: str | None = None) -> Built
             else torch.cuda.memory_allocated() + rest)
     torch.cuda.reset_peak_memory_stats()
     started = time.perf_counter()
-    codegen.nn.offload(model, filter=is_decoder_linear, gpu_budget=budget, quantize=quantize)
+    staging = None if staging_mib is None else staging_mib * 2**20
+    if staging and not percent:  # 0% and a staging of its own: no budget, all streamed
+        budget = None
+    codegen.nn.offload(model, filter=is_decoder_linear, gpu_budget=budget, quantize=quantize,
+                       staging=staging)
     offload_s = time.perf_counter() - started
     torch.cuda.synchronize()
     gc.collect()
     plan = codegen.nn.offload_plan(model)
     arena = codegen.nn.arena(model)
     facts = {
-        "budget_percent": percent, "budget_mib": budget / 2**20,
+        "budget_percent": percent, "budget_mib": budget and budget / 2**20,
         "resident_linears": len(plan.resident), "streamed_linears": len(plan.streamed),
         "resident_mib": plan.resident_bytes / 2**20, "streamed_mib": plan.streamed_bytes / 2**20,
         "staging_mib": plan.staging_bytes / 2**20,
@@ -173,8 +185,9 @@ def codegen_row(config: Any, percent: int, quantize: str | None = None) -> Built
         "pinned_over_streamed": arena.nbytes / max(plan.streamed_bytes, 1),
         "expected_decode_ms": plan.expected_ms(1), "expected_prefill4096_ms":
         plan.expected_ms(4096), "rest_mib": rest / 2**20, "offload_s": offload_s}
-    print(plan.placement().splitlines()[0] + f"  [{format_bytes(budget)} budget]")
-    suffix = f"_{quantize}" if quantize else ""
+    print(plan.placement().splitlines()[0]
+          + (f"  [{format_bytes(budget)} budget]" if budget else ""))
+    suffix = (f"_{quantize}" if quantize else "") + (f"_s{staging_mib}" if staging_mib else "")
     return Built(f"codegen_p{percent}{suffix}", model, **facts)
 
 
@@ -183,6 +196,25 @@ def copy_row(source: Built) -> Built:
     plan = codegen.nn.offload_plan(source.model)
     return Built(source.name.replace("codegen", "copy"), call=arena_copies(source.model),
                  streamed_mib=plan.streamed_bytes / 2**20)
+
+
+def dequant_row(source: Built) -> Built:
+    """The dequantization of every weight ``source`` streams, once, from its arena rows
+    copied to the GPU at set-up: the GPU time its forwards add to the GPU-resident
+    model's (the prefill target's measure)."""
+    plan = codegen.nn.offload_plan(source.model)
+    arena = codegen.nn.arena(source.model).storage
+    runs = []
+    for lay in plan.layouts:
+        raw = arena[lay.weight_offset:lay.weight_offset + lay.weight_bytes].to("cuda")
+        runs.append(dequantizer(raw.view(lay.out_features, lay.row_bytes), lay.quant,
+                                lay.in_features, lay.dtype))
+
+    def call() -> None:
+        for run in runs:
+            run()
+
+    return Built(source.name.replace("codegen", "dequant"), call=call, keep=runs)
 
 
 def accelerate_row(config: Any, percent: int) -> Built:
@@ -202,20 +234,26 @@ def accelerate_row(config: Any, percent: int) -> Built:
                  modules_on_cpu=len(device_map) - on_gpu)
 
 
+# A row's name: what it runs, its budget, its format, its staging (MiB) where set.
+ROW = r"([a-z]+)_p([0-9]+)(?:_(fp8|int4))?(?:_s([0-9]+))?"
+
+
 def make(name: str, config: Any, built: dict[str, Built]) -> Built:
     if name == "gpu":
         return Built(name, build(config))
     if name == "prefetch":
         model = build(config)
         return Built(name, model, keep=LayerPrefetch(model))
-    found = re.fullmatch(r"([a-z]+)_p([0-9]+)(?:_(fp8|int4))?", name)
-    kind, percent, quantize = found.groups() if found else (None, None, None)
+    found = re.fullmatch(ROW, name)
+    kind, percent, quantize, staging = found.groups() if found else (None,) * 4
     if kind == "codegen":
-        return codegen_row(config, int(percent), quantize)
+        return codegen_row(config, int(percent), quantize, staging and int(staging))
     if kind == "accelerate":
         return accelerate_row(config, int(percent))
     if kind == "copy":
         return copy_row(built[name.replace("copy", "codegen", 1)])
+    if kind == "dequant":
+        return dequant_row(built[name.replace("dequant", "codegen", 1)])
     raise ValueError(f"unknown row {name!r}")
 
 
@@ -245,11 +283,14 @@ def rows_of(step: str, tokens: int, times: dict[str, list[float]],
     to max(its copy floor, the GPU-resident model) and to accelerate's at that budget."""
     rows = []
     for v, t in times.items():
-        found = re.fullmatch(r"[a-z]+_p([0-9]+)(_fp8|_int4)?", v)
-        percent = found.group(1) if found else "0" if v == "prefetch" else None
-        suffix = (found.group(2) or "") if found else ""
+        found = re.fullmatch(ROW, v)
+        percent = found.group(2) if found else "0" if v == "prefetch" else None
+        suffix = v[found.end(2):] if found else ""  # the row's format and staging
         floor = times.get(f"copy_p{percent}{suffix}") if percent is not None else None
         gpu = times.get("gpu")
+        dequant = times.get(f"dequant_p{percent}{suffix}") if suffix else None
+        if gpu and dequant:  # a quantized row's GPU-resident bound: + its dequantization
+            gpu = [g + d for g, d in zip(gpu, dequant)]
         accel = (times.get(f"accelerate_p{percent}") if percent is not None and not suffix
                  else None)
         prefetch = times.get("prefetch")
@@ -293,6 +334,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--variants", default="codegen,accelerate,prefetch,gpu,copy")
     parser.add_argument("--quantize", default="", help="fp8, int4 or both, comma-separated")
     parser.add_argument("--quantize-budgets", default="0")
+    parser.add_argument("--staging", default="", metavar="MiB,...",
+                        help="each codegen row again with offload(staging=) of each size")
     parser.add_argument("--offload-from-gpu", action="store_true",
                         help="offload each model from the GPU it is built on (a faster "
                              "set-up; offload()'s own peak is then not measured)")
@@ -304,8 +347,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                                    if b.strip()]
         args.tokens = [int(t) for t in args.tokens.split(",") if t.strip()]
         args.quantize_budgets = [int(b) for b in args.quantize_budgets.split(",") if b.strip()]
+        args.staging = [int(b) for b in args.staging.split(",") if b.strip()]
     except ValueError:
-        parser.error("--budgets, --accelerate-budgets, --tokens: comma-separated integers")
+        parser.error("--budgets, --accelerate-budgets, --tokens, --staging: comma-separated "
+                     "integers")
     if any(not 0 <= b < 100 for b in args.budgets + args.accelerate_budgets):
         parser.error("budgets: percents in [0, 100)")
     args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
@@ -328,7 +373,13 @@ def row_names(args: argparse.Namespace) -> list[str]:
             names.append(f"copy_p{p}")
     for kind in args.quantize:
         for p in args.quantize_budgets:
-            names += [f"codegen_p{p}_{kind}", f"copy_p{p}_{kind}"]
+            names += [f"codegen_p{p}_{kind}", f"copy_p{p}_{kind}", f"dequant_p{p}_{kind}"]
+    for mib in args.staging:  # the same rows again with that staging
+        for p in args.budgets:
+            names += [f"codegen_p{p}_s{mib}", f"copy_p{p}_s{mib}"]
+        for kind in args.quantize:
+            for p in args.quantize_budgets:
+                names += [f"codegen_p{p}_{kind}_s{mib}", f"copy_p{p}_{kind}_s{mib}"]
     if "prefetch" in args.variants:
         names.append("prefetch")
     if "accelerate" in args.variants and importlib.util.find_spec("accelerate") is not None:

@@ -245,24 +245,25 @@ def test_quantized_linears_match_the_dequantized_reference_on_the_gpu(kind):
 
 @pytest.mark.parametrize("kind", ["fp8", "int4"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_the_fused_dequantization_kernel_equals_torchs_ops_bit_for_bit(kind, dtype):
-    """The GPU's one-kernel dequantization of arena rows (a piece at an offset in a ring, as
-    the streamer reads them) equals the eager torch ops and the reference exactly: every
-    byte pattern of the values (fp8's NaNs and subnormals, every nibble), scales from
-    quantize_weight."""
+@pytest.mark.parametrize("features", [512, 4480])
+def test_the_dequantization_kernel_equals_torchs_ops_bit_for_bit(kind, dtype, features):
+    """The GPU's one-kernel (Triton) dequantization of arena rows (a piece at an offset in a
+    ring, as the streamer reads them; rows of one block and of several with a partial
+    last) equals the eager torch ops and the reference exactly: every byte pattern of the
+    values (fp8's NaNs and subnormals, every nibble), scales from quantize_weight."""
     from codegen.nn.quantize import (
-        _fused,
         _kernel,
         dequantize_reference,
+        dequantizer,
         pack_rows,
         row_bytes,
         unpack_rows,
         unpack_rows_eager,
     )
 
-    assert _kernel(kind, dtype, torch.device("cuda")) is not None  # NVRTC built it
+    assert _kernel(kind, dtype, torch.device("cuda")) is not None  # Triton built it
     torch.manual_seed(3)
-    rows, features = 96, 512
+    rows = 96
     w = torch.randn(rows, features, dtype=dtype, device="cuda")
     q, scale = codegen.nn.quantize_weight(w, kind)
     packed = pack_rows(q, scale, kind)
@@ -271,11 +272,17 @@ def test_the_fused_dequantization_kernel_equals_torchs_ops_bit_for_bit(kind, dty
     ring = torch.zeros(512 + packed.numel(), dtype=torch.uint8, device="cuda")
     ring[512:] = packed.flatten()
     raw = ring[512:].view(rows, row_bytes(kind, features, dtype))
-    got, eager = _fused(raw, kind, features, dtype), unpack_rows_eager(raw, kind, features, dtype)
+    run = dequantizer(raw, kind, features, dtype)
+    got, eager = run(), unpack_rows_eager(raw, kind, features, dtype)
     assert got.dtype == dtype and got.shape == (rows, features) and got.is_contiguous()
     torch.testing.assert_close(got, eager, rtol=0, atol=0, equal_nan=True)
     torch.testing.assert_close(unpack_rows(raw[10:50], kind, features, dtype), eager[10:50],
                                rtol=0, atol=0, equal_nan=True)
     # And against the definition, for quantize_weight's own values.
     raw = pack_rows(q, scale, kind)
-    assert torch.equal(_fused(raw, kind, features, dtype), dequantize_reference(q, scale, dtype))
+    assert torch.equal(unpack_rows(raw, kind, features, dtype),
+                       dequantize_reference(q, scale, dtype))
+    # A dequantizer reads its rows as they are when it is called (the ring's next lap).
+    ring[512:] = torch.flip(ring[512:], (0,))
+    torch.testing.assert_close(run(), unpack_rows_eager(ring[512:].view(raw.shape), kind,
+                               features, dtype), rtol=0, atol=0, equal_nan=True)

@@ -5,7 +5,11 @@ pieces and ring wraps included, generate, the report's quantized bytes and logit
 the state dict, the budget, and the refusals."""
 
 import copy
+import os
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -365,20 +369,66 @@ def test_weights_quantize_in_blocks_of_rows_as_they_do_whole():
             w, kind), kind))
 
 
-def test_a_fused_kernel_that_does_not_build_falls_back_to_torchs_ops_and_says_so_once(
+def test_a_kernel_that_does_not_build_falls_back_to_torchs_ops_and_says_so_once(
         monkeypatch, caplog):
-    """Where NVRTC cannot build the GPU's fused dequantization, the pieces are dequantized
-    with torch's elementwise ops, and a warning says so once per format and dtype."""
+    """Where Triton cannot build the GPU's dequantization (here: cannot be imported), the
+    pieces are dequantized with torch's elementwise ops, and a warning says so once per
+    format and dtype."""
     from codegen.nn import quantize
 
-    def no_nvrtc(code):
-        raise RuntimeError("nvrtc: not found")
-
-    monkeypatch.setattr(quantize, "_JIT", {})
-    monkeypatch.setattr(torch.cuda.jiterator, "_create_jit_fn", no_nvrtc)
+    monkeypatch.setattr(quantize, "_KERNELS", {})
+    monkeypatch.setitem(sys.modules, "codegen.nn.kernels", None)
     with caplog.at_level("WARNING", logger="codegen.nn"):
         for _ in range(2):
             assert quantize._kernel("int4", torch.bfloat16, torch.device("cpu")) is None
     assert [r.getMessage() for r in caplog.records] == [
-        "codegen.nn.offload: the fused int4 dequantization kernel did not build (nvrtc: not "
-        "found); dequantizing with torch's elementwise ops instead"]
+        "codegen.nn.offload: the int4 dequantization kernel (Triton) did not build "
+        "(ModuleNotFoundError: import of codegen.nn.kernels halted; None in sys.modules); "
+        "dequantizing with torch's elementwise ops instead"]
+
+
+_INTERPRETED = """
+import torch
+from codegen.nn import quantize
+from codegen.nn.quantize import _KERNELS, _launcher, pack_rows, row_bytes, unpack_rows_eager
+
+torch.manual_seed(5)
+for kind, features in (("fp8", 14), ("fp8", 40), ("int4", 384)):
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        if features % dtype.itemsize:
+            continue
+        from codegen.nn import kernels
+        _KERNELS[(kind, dtype)] = kernels.fp8_rows if kind == "fp8" else kernels.int4_rows
+        rows, width = 6, row_bytes(kind, features, dtype)
+        w = torch.randn(rows, features, dtype=dtype) * 3
+        q, scale = quantize.quantize_weight(w, kind)
+        packed = pack_rows(q, scale, kind)
+        values = features if kind == "fp8" else features // 2
+        # Every byte pattern of the values: fp8's NaNs and subnormals, every nibble pair.
+        packed[:, :values] = torch.randperm(256)[torch.arange(rows * values) % 256].view(
+            rows, values).to(torch.uint8)
+        ring = torch.zeros(256 + packed.numel(), dtype=torch.uint8)
+        ring[256:] = packed.flatten()
+        raw = ring[256:].view(rows, width)  # a piece at an offset in a ring
+        for piece in (raw, raw[1:4]):
+            got = _launcher(piece, kind, features, dtype)()
+            want = unpack_rows_eager(piece, kind, features, dtype)
+            assert got.dtype == dtype and got.shape == want.shape and got.is_contiguous()
+            same = (got == want) | (got.isnan() & want.isnan())
+            assert same.all(), (kind, features, dtype, (got - want).abs().max())
+        got = _launcher(pack_rows(q, scale, kind), kind, features, dtype)()
+        assert torch.equal(got, quantize.dequantize_reference(q, scale, dtype)), (kind, dtype)
+print("ok")
+"""
+
+
+def test_the_gpu_dequantization_kernels_equal_torchs_ops_bit_for_bit_interpreted():
+    """The Triton kernels the GPU dequantizes arena rows with, run by Triton's CPU
+    interpreter: every value byte (fp8's NaNs and subnormals, every int4 nibble), rows at
+    an offset and a slice of them, each dtype, equal to torch's ops and the reference bit
+    for bit (bfloat16's rounding is the kernel's own, as on the GPU)."""
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    run = subprocess.run([sys.executable, "-c", _INTERPRETED], env=env, capture_output=True,
+                         text=True, cwd=Path(__file__).resolve().parents[1])
+    assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr[-3000:]

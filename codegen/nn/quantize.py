@@ -19,7 +19,10 @@ the scales it needs and a copy plan cuts quantized weights exactly as it cuts ot
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -127,81 +130,80 @@ def unpack_rows(raw: torch.Tensor, kind: str, in_features: int,
                 dtype: torch.dtype) -> torch.Tensor:
     """The weight rows (``dtype`` [rows, in_features]) of raw arena rows (uint8 [rows,
     row_bytes], a view of the staging or a copy): ``dequantize_reference`` of what
-    ``pack_rows`` stored, run where ``raw`` is: on a GPU in one fused kernel
-    (:func:`_fused`), elsewhere, or where that kernel cannot be built, with torch's ops
-    (:func:`unpack_rows_eager`)."""
+    ``pack_rows`` stored, run where ``raw`` is."""
+    return dequantizer(raw, kind, in_features, dtype)()
+
+
+def dequantizer(raw: torch.Tensor, kind: str, in_features: int,
+                dtype: torch.dtype) -> Callable[[], torch.Tensor]:
+    """``unpack_rows`` of ``raw`` as a function of no arguments that reads the rows as they
+    are when it is called: its views and launch arguments are made once (the streamer
+    makes one per GEMM piece and calls it every forward). On a GPU it is one Triton kernel
+    (:mod:`codegen.nn.kernels`); elsewhere, and where that kernel cannot be built, torch's
+    elementwise ops (:func:`unpack_rows_eager`)."""
     if raw.is_cuda and raw.shape[0] and _kernel(kind, dtype, raw.device) is not None:
-        return _fused(raw, kind, in_features, dtype)
-    return unpack_rows_eager(raw, kind, in_features, dtype)
+        return _launcher(raw, kind, in_features, dtype)
+    return functools.partial(unpack_rows_eager, raw, kind, in_features, dtype)
 
 
-# One elementwise kernel per format, compiled by torch's jiterator (NVRTC) on first use.
-# Its inputs are promoted to the weight's dtype on load: a byte 0..255 is exact in bf16,
-# fp16 and fp32, and is taken apart as an integer. The product rounds once, as torch's
-# ``q.to(dtype) * scale``. fp8: e4m3fn by its bits (exponent bias 7, 3 mantissa bits,
-# exponent 0 subnormal, 0x7f and 0xff NaN). int4: ``high`` (0 or 1, broadcast over the
-# last dim of [rows, groups, 64, 2]) picks the byte's nibble, sign-extended.
-_FP8_KERNEL = """
-template <typename T> T cg_dequantize_fp8(T bits, T scale) {
-  const int b = static_cast<int>(static_cast<float>(bits));
-  const int e = (b >> 3) & 15, m = b & 7;
-  float f = e == 0 ? m * 0.001953125f : __int_as_float(((e + 120) << 23) | (m << 20));
-  if (e == 15 && m == 7) f = __int_as_float(0x7fc00000);
-  return T(b & 128 ? -f : f) * scale;
-}"""
-_INT4_KERNEL = """
-template <typename T> T cg_dequantize_int4(T packed, T high, T scale) {
-  const int b = static_cast<int>(static_cast<float>(packed));
-  const int v = (static_cast<float>(high) != 0.0f ? b >> 4 : b) & 15;
-  return T(static_cast<float>(v - ((v & 8) << 1))) * scale;
-}"""
-_JIT: dict[Any, Any] = {}  # (kind, dtype) -> the jitted function, or None where it failed
+_KERNELS: dict[Any, Any] = {}  # (kind, dtype) -> the Triton kernel, or None where it failed
 
 
 def _kernel(kind: str, dtype: torch.dtype, device: torch.device) -> Any:
-    """The jitted dequantization of ``kind`` into ``dtype``, built and run once on a row of
-    zeros the first time (jiterator compiles at its first launch); None, said once, where
-    NVRTC cannot build it. Errors of later calls (out of memory) are the caller's."""
+    """The Triton kernel that dequantizes ``kind`` into ``dtype``, built and run once on a
+    row of zeros the first time (Triton compiles at its first launch); None, said once,
+    where it cannot be imported or built. Errors of later calls (out of memory) are the
+    caller's."""
     key = (kind, dtype)
-    if key not in _JIT:
-        _JIT[key] = None
+    if key not in _KERNELS:
+        _KERNELS[key] = None
         try:
-            fn = torch.cuda.jiterator._create_jit_fn(
-                _FP8_KERNEL if kind == "fp8" else _INT4_KERNEL)
-            _JIT[key] = fn
+            from . import kernels
+
+            _KERNELS[key] = kernels.fp8_rows if kind == "fp8" else kernels.int4_rows
             features = INT4_GROUP
-            _fused(torch.zeros(1, row_bytes(kind, features, dtype), dtype=torch.uint8,
-                               device=device), kind, features, dtype)
-        except RuntimeError as e:
-            _JIT[key] = None
+            _launcher(torch.zeros(1, row_bytes(kind, features, dtype), dtype=torch.uint8,
+                                  device=device), kind, features, dtype)()
+        except Exception as e:  # noqa: BLE001 - any failure to build falls back, said once
+            _KERNELS[key] = None
             logging.getLogger("codegen.nn").warning(
-                "codegen.nn.offload: the fused %s dequantization kernel did not build (%s); "
-                "dequantizing with torch's elementwise ops instead", kind, e)
-    return _JIT[key]
+                "codegen.nn.offload: the %s dequantization kernel (Triton) did not build "
+                "(%s: %s); dequantizing with torch's elementwise ops instead", kind,
+                type(e).__name__, e)
+    return _KERNELS[key]
 
 
-def _fused(raw: torch.Tensor, kind: str, in_features: int, dtype: torch.dtype) -> torch.Tensor:
-    """``unpack_rows`` on a GPU: one kernel (``_kernel``) reads the rows' bytes and scales
-    where they lie and writes the weight rows."""
+def _launcher(raw: torch.Tensor, kind: str, in_features: int,
+              dtype: torch.dtype) -> Callable[[], torch.Tensor]:
+    """``dequantizer`` on a GPU: the kernel's grid and arguments bound once; each call
+    allocates the weight rows and launches one kernel on the current stream of ``raw``'s
+    device. bfloat16 rows are written as int16 (the kernel rounds them itself)."""
+    from .kernels import FP8_BLOCK, INT4_BLOCK
+
     rows = raw.shape[0]
     n = in_features if kind == "fp8" else in_features // 2
     scale = raw[:, n:].view(dtype)  # [rows, groups]: each row's scales, after its values
-    fn = _JIT[(kind, dtype)]
-    if kind == "fp8":
-        return fn(raw[:, :n], scale)
-    key = ("high", raw.device, dtype)
-    if key not in _JIT:
-        _JIT[key] = torch.tensor([0, 1], dtype=dtype, device=raw.device)
-    groups = scale.shape[1]
-    packed = raw[:, :n].view(rows, groups, INT4_GROUP // 2, 1)
-    out = fn(packed, _JIT[key], scale.view(rows, groups, 1, 1))
-    return out.reshape(rows, in_features)
+    stored = torch.int16 if dtype == torch.bfloat16 else dtype
+    block = FP8_BLOCK if kind == "fp8" else INT4_BLOCK
+    sizes = (in_features,) if kind == "fp8" else (n, in_features)
+    launch = _KERNELS[(kind, dtype)][((n + block - 1) // block, rows)]
+    device, shape = raw.device, (rows, in_features)
+    # Triton launches on the current device (CPU tensors: its interpreter, the tests).
+    on = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+    def run() -> torch.Tensor:
+        out = torch.empty(shape, dtype=stored, device=device)
+        with on:
+            launch(raw, scale, out, raw.stride(0), scale.stride(0), *sizes, BLOCK=block)
+        return out.view(dtype)
+
+    return run
 
 
 def unpack_rows_eager(raw: torch.Tensor, kind: str, in_features: int,
                       dtype: torch.dtype) -> torch.Tensor:
     """``unpack_rows`` with torch's elementwise ops (the CPU's way, and the reference of
-    the fused kernel)."""
+    the GPU's kernel)."""
     rows = raw.shape[0]
     n = in_features if kind == "fp8" else in_features // 2
     values, scales = raw[:, :n], raw[:, n:]

@@ -43,7 +43,7 @@ import torch.nn.functional as F
 
 from ..errors import InternalError
 from .plan import StreamPlan, plan_stream
-from .quantize import unpack_rows
+from .quantize import dequantizer, unpack_rows
 
 
 class OrderCheck:
@@ -241,7 +241,8 @@ class Streamer:
         self.off_plan = False  # this forward left the plan: its other calls run unplanned
         self.observed: list[int] = []
         # Views made once (each costs microseconds of host time a call): every span's
-        # destination and source, every piece's weight and bias in the staging.
+        # destination and source, every piece's weight (or its dequantizer) and bias in
+        # the staging.
         self.span_views = []
         for span in plan.spans:
             dst, lo = ((self.biases, span.arena_begin) if span.is_bias_block
@@ -259,7 +260,8 @@ class Streamer:
                 if lay.quant is None:
                     w = self.ring[lo:hi].view(lay.dtype).view(r1 - r0, lay.in_features)
                 else:  # the rows' values and scales, dequantized at each call
-                    w = self.ring[lo:hi].view(r1 - r0, lay.row_bytes)
+                    w = dequantizer(self.ring[lo:hi].view(r1 - r0, lay.row_bytes), lay.quant,
+                                    lay.in_features, lay.dtype)
                 b, b_lo, b_hi = None, 0, 0
                 if lay.bias_offset is not None:
                     b_lo = lay.bias_offset + r0 * lay.dtype.itemsize
@@ -437,7 +439,7 @@ class Streamer:
             if b is not None:
                 self.backend.read(stream, "biases", b_lo, b_hi)
             if lay.quant is not None:
-                w = unpack_rows(w, lay.quant, lay.in_features, lay.dtype)
+                w = w()  # the piece's rows dequantized (its dequantizer)
             if single:
                 out = F.linear(x, w, b)
             elif b is None:
