@@ -199,22 +199,28 @@ def copy_row(source: Built) -> Built:
 
 
 def dequant_row(source: Built) -> Built:
-    """The dequantization of every weight ``source`` streams, once, from its arena rows
-    copied to the GPU at set-up: the GPU time its forwards add to the GPU-resident
-    model's (the prefill target's measure)."""
+    """The dequantization of every weight ``source`` streams, once: the GPU time its
+    forwards add to the GPU-resident model's (the prefill target's measure). The kernels'
+    time depends on a weight's shape, not its values: each shape's first weight is put on
+    the GPU at set-up, and dequantized once for each weight of that shape."""
     plan = codegen.nn.offload_plan(source.model)
     arena = codegen.nn.arena(source.model).storage
+    by_shape: dict[tuple[int, ...], Callable[[], torch.Tensor]] = {}
     runs = []
     for lay in plan.layouts:
-        raw = arena[lay.weight_offset:lay.weight_offset + lay.weight_bytes].to("cuda")
-        runs.append(dequantizer(raw.view(lay.out_features, lay.row_bytes), lay.quant,
-                                lay.in_features, lay.dtype))
+        shape = (lay.out_features, lay.in_features, lay.row_bytes)
+        if shape not in by_shape:
+            raw = arena[lay.weight_offset:lay.weight_offset + lay.weight_bytes].to("cuda")
+            by_shape[shape] = dequantizer(raw.view(lay.out_features, lay.row_bytes),
+                                          lay.quant, lay.in_features, lay.dtype)
+        runs.append(by_shape[shape])
 
     def call() -> None:
         for run in runs:
             run()
 
-    return Built(source.name.replace("codegen", "dequant"), call=call, keep=runs)
+    return Built(source.name.replace("codegen", "dequant"), call=call, keep=by_shape,
+                 weights=len(runs), shapes=len(by_shape))
 
 
 def accelerate_row(config: Any, percent: int) -> Built:
@@ -262,9 +268,9 @@ def make(name: str, config: Any, built: dict[str, Built]) -> Built:
 
 def timed(calls: dict[str, Callable[[], Any]], rounds: int) -> dict[str, list[float]]:
     """ms per call, one value per round: two warm-up calls each, then ``rounds`` rounds of
-    one timed call per row (three back to back where a call takes under 50 ms), in a
-    rotated order, the device synchronized before each (every row here takes tens of ms
-    or more: a call's start from an idle GPU is a small share of it)."""
+    one block per row in a rotated order (``_call_ms``: a lead-in call, then one timed
+    call, three where a call takes under 50 ms), the device synchronized before each
+    block."""
     reps = {}
     for v, fn in calls.items():
         fn()
@@ -288,7 +294,8 @@ def rows_of(step: str, tokens: int, times: dict[str, list[float]],
         suffix = v[found.end(2):] if found else ""  # the row's format and staging
         floor = times.get(f"copy_p{percent}{suffix}") if percent is not None else None
         gpu = times.get("gpu")
-        dequant = times.get(f"dequant_p{percent}{suffix}") if suffix else None
+        dequant = (times.get(f"dequant_p{percent}{suffix}")
+                   or times.get(f"dequant_p{percent}{suffix.split('_s')[0]}")) if suffix else None
         if gpu and dequant:  # a quantized row's GPU-resident bound: + its dequantization
             gpu = [g + d for g, d in zip(gpu, dequant)]
         accel = (times.get(f"accelerate_p{percent}") if percent is not None and not suffix
@@ -488,7 +495,7 @@ def main(argv: list[str] | None = None) -> int:
                     one = generate_ms(models[v].model, prompt, 1)
                     times[v].append((generate_ms(models[v].model, prompt, args.generate + 1)
                                      - one) / args.generate)
-            for v in [v for v in built if v.startswith("copy")]:
+            for v in [v for v in built if v.startswith(("copy", "dequant"))]:
                 times[v] = [statistics.median(_call_ms(built[v].call) for _ in range(3))]
                 times[v] *= len(next(iter(times.values())))
             gen_rows = rows_of("generate", args.generate, times, built)
@@ -511,9 +518,15 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _call_ms(fn: Callable[[], Any], reps: int = 1) -> float:
-    """ms per call of ``reps`` calls back to back, from a synchronized device."""
+    """ms per call of ``reps`` calls queued right behind an untimed lead-in call, from a
+    synchronized device: each timed call starts as in a loop of calls, the copies an
+    offloaded forward queues at its end for the next one (into its staging) overlapping
+    the previous call. Timed from an idle device instead, a call would find up to its
+    whole staging copied before its start event, untimed: up to 10 ms of copies with a
+    512 MiB staging."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     torch.cuda.synchronize()
+    fn()
     start.record()
     for _ in range(reps):
         fn()

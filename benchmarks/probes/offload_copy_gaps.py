@@ -20,11 +20,14 @@ forward pre-hook to its hook) and the last forward's report.
 from __future__ import annotations
 
 import argparse
+import collections
 import cProfile
 import gc
 import io
 import pstats
 import time
+import warnings
+from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -146,6 +149,21 @@ def generate(model: torch.nn.Module, config: str, n: int) -> None:
 
     run(2)
     conditions(model, prompt, host, n)
+    # Where generate synchronizes the host with the GPU: a synchronizing call inside a
+    # forward holds the host until the GPU gets there, and the copies past the ring's
+    # first spans, which the host queues, wait for it (torch's sync debug mode warns at
+    # each such call; counted by the Python line that made it).
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            run(4)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    where = collections.Counter(f"{Path(w.filename).name}:{w.lineno}" for w in caught
+                                if "synchroniz" in str(w.message))
+    print(f"  synchronizing calls in generate(4): {sum(where.values())}, by line: "
+          + ", ".join(f"{k} x{c}" for k, c in where.most_common(12)))
     # Where in a forward the host's time goes: before the first decoder layer, the layers
     # and lm_head, after lm_head (each a wall-clock stamp from a hook).
     stamps: list[float] = []
