@@ -727,14 +727,19 @@ def measure_generate(built: dict[str, Variant], new_tokens: int, names: Sequence
     """The generate step's rows: per round and variant, greedy ``generate`` of 1 and of
     ``new_tokens`` + 1 tokens after ``prompt``, timed on the host around each call (it
     reads every token); ms per token is their difference over ``new_tokens``. The copy
-    floor's row is one forward's weights copied alone (ms per call)."""
+    floor's row is one forward's weights copied alone (ms per call).
+
+    Every variant first generates as many tokens as are timed: the first forward at a KV
+    length torch's attention has not seen takes it about 11 ms of host time per attention
+    call to plan (H100, torch 2.11; ``benchmarks.probes.offload_copy_gaps``), once per
+    process whichever model runs it; untimed, that first variant would pay for all."""
     def generate(model: Any, n: int) -> float:
         return generate_ms(model, prompt, n)
 
     variants = [v for v in names if v in GENERATE_VARIANTS]
-    for v in variants:  # warm-up: compiles, allocates the caches
-        if built[v].model is not None:
-            generate(built[v].model, 2)
+    for v in variants:  # warm-up: compiles, allocates the caches, and makes torch's
+        if built[v].model is not None:  # attention plans for every length timed (below)
+            generate(built[v].model, new_tokens + 1)
     times: dict[str, list[float]] = {v: [] for v in variants}
     for r in range(rounds):
         for v in rotated(variants, r):

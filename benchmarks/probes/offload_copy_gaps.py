@@ -102,38 +102,67 @@ def main() -> None:
 
 
 def conditions(model: torch.nn.Module, prompt: torch.Tensor, host: list[float],
-               n: int, rounds: int = 3) -> None:
+               n: int, rounds: int = 4) -> None:
     """Greedy generate's ms per token (``n`` tokens over 1) and host per forward under
     each condition, interleaved over ``rounds``: as is; without the timing events around
-    each wait for a copy; with Python's garbage collector off; without an attention mask
-    (transformers then builds none)."""
+    each wait for a copy; with Python's garbage collector off; with every object alive
+    before the run frozen (``gc.freeze``: the collections then scan only what the run
+    makes); without an attention mask (transformers then builds none). Each garbage
+    collection's pause in the timed generates is recorded (``gc.callbacks``)."""
     streamer = model._codegen_offload.streamer
+    collections_ms: dict[str, list[tuple[int, float]]] = {}  # condition -> (generation, ms)
+    started: list[float] = []
+
+    def on_gc(phase: str, info: dict) -> None:  # gc.callbacks: each collection's pause
+        if phase == "start":
+            started[:] = [time.perf_counter()]
+        elif started and current:
+            collections_ms.setdefault(current[0], []).append(
+                (info["generation"], (time.perf_counter() - started[0]) * 1e3))
+    current: list[str] = []
 
     def run(name: str) -> tuple[float, list[float]]:
         mask = name != "no mask"
         streamer.probe_waits = name != "no wait probes"
         if name == "gc off":
             gc.disable()
+        if name == "gc frozen":  # every object alive now out of the collections' reach
+            gc.freeze()
         try:
             one = generate_ms(model, prompt, 1, mask)
             host.clear()
+            current[:] = [name]
             ms = (generate_ms(model, prompt, n + 1, mask) - one) / n
+            current.clear()
             return ms, list(host)
         finally:
+            current.clear()
             gc.enable()
+            gc.unfreeze()
             streamer.probe_waits = True
 
-    names = ["as is", "no wait probes", "gc off", "no mask"]
+    gc.callbacks.append(on_gc)
+
+    names = ["as is", "no wait probes", "gc off", "gc frozen", "no mask"]
     results: dict[str, list[tuple[float, list[float]]]] = {k: [] for k in names}
+    order: list[tuple[str, float]] = []
     for r in range(rounds):
         for name in names[r % len(names):] + names[:r % len(names)]:
             results[name].append(run(name))
+            order.append((name, results[name][-1][0]))
+    gc.callbacks.remove(on_gc)
     for name in names:
         ms = sorted(m for m, _ in results[name])
         hosts = [h * 1e3 for _, hs in results[name] for h in hs[2:]]
+        pauses = collections_ms.get(name, [])
         print(f"  condition {name:15}: {ms[len(ms) // 2]:.2f} ms per token (of "
               f"{', '.join(f'{m:.1f}' for m in ms)}); host per decode forward median "
-              f"{sorted(hosts)[len(hosts) // 2]:.1f} ms, max {max(hosts):.1f} ms")
+              f"{sorted(hosts)[len(hosts) // 2]:.1f} ms, max {max(hosts):.1f} ms; "
+              f"{len(pauses)} garbage collections in the timed generates, by generation "
+              f"{[sum(1 for g, _ in pauses if g == k) for k in range(3)]}, the longest "
+              f"{max((t for _, t in pauses), default=0):.1f} ms, "
+              f"{sum(t for _, t in pauses):.1f} ms in all")
+    print(f"  rounds in order: {[(k, round(m, 1)) for k, m in order]}")
 
 
 def generate(model: torch.nn.Module, config: str, n: int) -> None:
@@ -148,6 +177,22 @@ def generate(model: torch.nn.Module, config: str, n: int) -> None:
         return generate_ms(model, prompt, tokens)
 
     run(2)
+    # The first generate of n + 1 tokens (every length past the warm-up's new), profiled:
+    # where its host time goes, and each forward's.
+    profiler = cProfile.Profile()
+    host.clear()
+    profiler.enable()
+    first = run(n + 1)
+    profiler.disable()
+    print(f"  first generate of {n + 1} tokens: {first:.1f} ms; host per forward "
+          f"{', '.join(f'{h * 1e3:.1f}' for h in host)} ms")
+    stats = io.StringIO()
+    pstats.Stats(profiler, stream=stats).sort_stats("tottime").print_stats(14)
+    print("\n".join(line for line in stats.getvalue().splitlines()[4:] if line.strip()))
+    host.clear()
+    again = run(n + 1)
+    print(f"  the same again: {again:.1f} ms; host per forward "
+          f"{', '.join(f'{h * 1e3:.1f}' for h in host)} ms")
     conditions(model, prompt, host, n)
     # Where generate synchronizes the host with the GPU: a synchronizing call inside a
     # forward holds the host until the GPU gets there, and the copies past the ring's
