@@ -488,7 +488,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.generate:
         try:
             times = {v: [] for v in models}
-            for v in models:  # warm-up: torch's attention plans for each length timed
+            for v in models:  # warm-up: torch's attention once at each length timed
                 generate_ms(models[v].model, prompt, args.generate + 1)
             for r in range(max(1, args.rounds - 1)):
                 for v in rotated(list(models), r):

@@ -729,16 +729,17 @@ def measure_generate(built: dict[str, Variant], new_tokens: int, names: Sequence
     reads every token); ms per token is their difference over ``new_tokens``. The copy
     floor's row is one forward's weights copied alone (ms per call).
 
-    Every variant first generates as many tokens as are timed: the first forward at a KV
-    length torch's attention has not seen takes it about 11 ms of host time per attention
-    call to plan (H100, torch 2.11; ``benchmarks.probes.offload_copy_gaps``), once per
-    process whichever model runs it; untimed, that first variant would pay for all."""
+    Every variant first generates as many tokens as are timed: torch's
+    ``scaled_dot_product_attention`` takes about 11 ms of host time per call the first
+    time it sees a KV length (H100, torch 2.11; ``benchmarks.probes.offload_copy_gaps``),
+    once per process, whichever model calls it: the variant timed first would pay for
+    all."""
     def generate(model: Any, n: int) -> float:
         return generate_ms(model, prompt, n)
 
     variants = [v for v in names if v in GENERATE_VARIANTS]
-    for v in variants:  # warm-up: compiles, allocates the caches, and makes torch's
-        if built[v].model is not None:  # attention plans for every length timed (below)
+    for v in variants:  # warm-up: compiles, allocates the caches, and runs torch's
+        if built[v].model is not None:  # attention once at every length timed (below)
             generate(built[v].model, new_tokens + 1)
     times: dict[str, list[float]] = {v: [] for v in variants}
     for r in range(rounds):
