@@ -360,3 +360,60 @@ def test_a_read_before_its_copy_is_caught():
         check.access("current", "ring", 50, 60, write=False)
     check.wait("current", check.record("copy"))
     check.access("current", "ring", 50, 60, write=False)
+
+
+def test_few_rows_run_a_calls_pieces_as_one_gemm_per_run_back_to_back_in_the_ring():
+    """A call with at most MERGED_ROWS input rows (a decode step) runs one GEMM per run of
+    its pieces that lie back to back in the ring, waiting for all of the run's spans
+    first; a run ends where the ring wraps. Larger inputs run one GEMM per piece."""
+    from codegen.nn.streamer import Streamer
+
+    lays, total = layouts([(64, 64)] * 2)  # 16 KiB each, 4 KiB copies: 4 spans a weight
+    plan = plan_stream(lays, [0, 1], ring_bytes=5 * 4096, copy_bytes=4096, bias_bytes=0)
+    s = Streamer(plan, torch.zeros(total, dtype=torch.uint8), torch.device("cpu"), [])
+    for call, pieces, merged in zip(plan.calls, s.piece_groups, s.merged_groups):
+        assert [g[0] for g in pieces] == [(p.span,) for p in call.pieces]
+        assert [g[7:9] for g in pieces] == [p.rows for p in call.pieces]
+        # The runs cover the call's rows and spans in order, each back to back in the ring.
+        assert [j for g in merged for j in g[0]] == [p.span for p in call.pieces]
+        assert merged[0][7] == 0 and merged[-1][8] == 64
+        assert all(a[8] == b[7] for a, b in zip(merged, merged[1:]))
+        for g in merged:
+            assert g[4] - g[3] == (g[8] - g[7]) * 64 * 4
+            assert sorted(g[9]) == sorted(j for p in call.pieces if p.span in g[0]
+                                          for j in p.frees)
+    # The runs are the longest back to back in the ring: here the ring wraps inside both
+    # calls (ring places 8448, 12544, 0, 4096, ...: each lap starts where the last one's
+    # wrap ended).
+    ring_at = [sp.ring_begin for sp in plan.spans]
+    want: list[list[tuple[int, ...]]] = []
+    for call in plan.calls:
+        runs = [[call.pieces[0].span]]
+        for p in call.pieces[1:]:
+            if ring_at[p.span] == ring_at[runs[-1][-1]] + 4096:
+                runs[-1].append(p.span)
+            else:
+                runs.append([p.span])
+        want.append([tuple(r) for r in runs])
+    assert [[g[0] for g in m] for m in s.merged_groups] == want
+    assert want == [[(0, 1), (2, 3)], [(4, 5, 6), (7,)]]
+
+
+@pytest.mark.parametrize("rows", [1, 64, 65, 64 * 3])
+@pytest.mark.parametrize("staging, copy_size", [(20000, 4096), ("12KiB", 2048), (None, None)])
+def test_forwards_of_few_and_many_rows_match_the_original(rows, staging, copy_size):
+    """Both ways a call runs (merged runs of pieces up to MERGED_ROWS input rows, a GEMM
+    per piece beyond), under rings that wrap, every staging read checked against its copy
+    by the CPU backend's order check."""
+    from codegen.nn.streamer import MERGED_ROWS
+
+    assert MERGED_ROWS == 64
+    ref = tiny_llama(seed=11, max_positions=256)
+    model = offloaded(ref, staging=staging, copy_size=copy_size)
+    ids = torch.randint(0, 97, (1, rows))
+    with torch.no_grad():
+        for _ in range(3):
+            torch.testing.assert_close(model(ids).logits, ref(ids).logits, rtol=1e-5,
+                                       atol=1e-5)
+    r = codegen.nn.report(model)
+    assert r.unplanned_calls == 0 and r.copies == len(r.plan.spans)

@@ -9,7 +9,8 @@ long does the host take to queue a quantized decode forward?
    memory system's yardstick.
 2. Host µs per call of each, the GPU held by a sleep kernel (``host_sample``).
 3. Host ms per forward of the 4-layer Llama of ``offload_llama`` (one token, no cache),
-   offloaded at bf16, fp8 and int4 and GPU-resident: a decode forward must be queued
+   offloaded at bf16, fp8 and int4 (each with its calls' pieces merged, as a one-token
+   forward runs them, and one GEMM per piece) and GPU-resident: a decode forward must be queued
    faster than its copies run, or the host, not the copy engine, sets its time.
 
     python -m benchmarks.probes.dequant_kernels
@@ -23,6 +24,7 @@ import torch
 
 import codegen.nn
 from benchmarks.common import build, host_sample, is_decoder_linear, llama_config
+from codegen.nn import streamer
 from codegen.nn.quantize import (
     INT4_GROUP,
     dequantizer,
@@ -116,15 +118,21 @@ def forwards() -> None:
         if kind is not None:
             codegen.nn.offload(model, filter=is_decoder_linear,
                                quantize=None if kind == "bf16" else kind)
-        with torch.no_grad():
-            for _ in range(3):
-                model(ids)
-            torch.cuda.synchronize()
-            ms = [host_sample(lambda model=model: model(ids), calls=1, busy_ms=200) / 1e3
-                  for _ in range(5)]
-        label = "GPU-resident" if kind is None else f"offloaded, {kind}"
-        print(f"4-layer Llama, 1 token, {label}: host {statistics.median(ms):.2f} ms per "
-              f"forward (of 5: {min(ms):.2f}-{max(ms):.2f})")
+        # Offloaded: its calls' pieces merged into one GEMM per run (as a one-token forward
+        # runs them), and one GEMM per piece (as a forward of more than MERGED_ROWS rows).
+        for merged in ((True, False) if kind is not None else (True,)):
+            streamer.MERGED_ROWS = 64 if merged else 0
+            with torch.no_grad():
+                for _ in range(3):
+                    model(ids)
+                torch.cuda.synchronize()
+                ms = [host_sample(lambda model=model: model(ids), calls=1, busy_ms=200) / 1e3
+                      for _ in range(5)]
+            label = "GPU-resident" if kind is None else (
+                f"offloaded, {kind}, " + ("pieces merged" if merged else "a GEMM per piece"))
+            print(f"4-layer Llama, 1 token, {label}: host {statistics.median(ms):.2f} ms "
+                  f"per forward (of 5: {min(ms):.2f}-{max(ms):.2f})")
+        streamer.MERGED_ROWS = 64
         del model
         torch.cuda.empty_cache()
 

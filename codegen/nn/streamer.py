@@ -2,8 +2,10 @@
 on a copy stream, into the staging ring, ahead of the GEMM pieces that read them.
 
 The host drives it, call by call, as the forward runs. Each Linear call waits (on the GPU)
-for the copies of its pieces' spans, queues its pieces, records the events that free the
-spans it read last, then queues every copy whose waits have all been recorded: the copy
+for the copies of its pieces' spans, queues its pieces (a call of few input rows, such as
+a decode step's, one GEMM per run of pieces back to back in the ring: its GEMMs are too
+short to gain from starting early, and each costs the host), records the events that
+free the spans it read last, then queues every copy whose waits have all been recorded: the copy
 stream runs as far ahead as the ring allows, across Linears and, at the end of a forward,
 into the first spans of the next one. A copy never waits for an event that has not been
 recorded yet (its record is what lets the host queue the copy), so every wait refers to
@@ -44,6 +46,10 @@ import torch.nn.functional as F
 from ..errors import InternalError
 from .plan import StreamPlan, plan_stream
 from .quantize import dequantizer, unpack_rows
+
+# A call whose input has at most this many rows (a decode step, a small batch) runs its
+# pieces merged (``Streamer._groups``): fewer GEMMs and waits to queue.
+MERGED_ROWS = 64
 
 
 class OrderCheck:
@@ -241,8 +247,8 @@ class Streamer:
         self.off_plan = False  # this forward left the plan: its other calls run unplanned
         self.observed: list[int] = []
         # Views made once (each costs microseconds of host time a call): every span's
-        # destination and source, every piece's weight (or its dequantizer) and bias in
-        # the staging.
+        # destination and source, every GEMM's weight (or its dequantizer) and bias in the
+        # staging, by piece and by merged run of pieces (``_groups``).
         self.span_views = []
         for span in plan.spans:
             dst, lo = ((self.biases, span.arena_begin) if span.is_bias_block
@@ -250,25 +256,49 @@ class Streamer:
             self.span_views.append((dst[lo:lo + span.nbytes],  # type: ignore[operator]
                                     self.arena[span.arena_begin:span.arena_begin + span.nbytes],
                                     "biases" if span.is_bias_block else "ring", lo))
-        self.piece_views = []
-        for call in plan.calls:
-            lay = plan.layouts[call.linear]
-            views = []
-            for piece in call.pieces:
-                r0, r1 = piece.rows
-                lo, hi = piece.ring_offset, piece.ring_offset + (r1 - r0) * lay.row_bytes
-                if lay.quant is None:
-                    w = self.ring[lo:hi].view(lay.dtype).view(r1 - r0, lay.in_features)
-                else:  # the rows' values and scales, dequantized at each call
-                    w = dequantizer(self.ring[lo:hi].view(r1 - r0, lay.row_bytes), lay.quant,
-                                    lay.in_features, lay.dtype)
-                b, b_lo, b_hi = None, 0, 0
-                if lay.bias_offset is not None:
-                    b_lo = lay.bias_offset + r0 * lay.dtype.itemsize
-                    b_hi = b_lo + (r1 - r0) * lay.dtype.itemsize
-                    b = self.biases[b_lo:b_hi].view(lay.dtype)
-                views.append((w, b, lo, hi, b_lo, b_hi))
-            self.piece_views.append(views)
+        self.piece_groups = [self._groups(call, merge=False) for call in plan.calls]
+        self.merged_groups = [self._groups(call, merge=True) for call in plan.calls]
+
+    def _groups(self, call: Any, merge: bool) -> list[tuple[Any, ...]]:
+        """A call's GEMMs: one per piece, or (``merge``) one per run of pieces that lie
+        back to back in the ring and whose frees no copy inside the run waits for (a copy
+        the run needs is then never held back by the run's own GEMM). Each group: (its
+        spans, weight rows (a view, or a quantized weight's dequantizer), bias rows,
+        ring bytes lo:hi, bias bytes lo:hi, rows r0:r1, the spans it frees)."""
+        plan = self.plan
+        lay = plan.layouts[call.linear]
+        runs: list[list[Any]] = []
+        for piece in call.pieces:
+            if merge and runs:
+                last = runs[-1][-1]
+                back_to_back = piece.ring_offset == last.ring_offset + (
+                    last.rows[1] - last.rows[0]) * lay.row_bytes
+                freed = {j for p in runs[-1] for j in p.frees}
+                first = runs[-1][0].span
+                held = any(d == 0 and k in freed for t in range(first + 1, piece.span + 1)
+                           for k, d in plan.spans[t].waits)
+                if back_to_back and not held:
+                    runs[-1].append(piece)
+                    continue
+            runs.append([piece])
+        groups = []
+        for run in runs:
+            r0, r1 = run[0].rows[0], run[-1].rows[1]
+            lo, hi = run[0].ring_offset, run[0].ring_offset + (r1 - r0) * lay.row_bytes
+            if lay.quant is None:
+                w = self.ring[lo:hi].view(lay.dtype).view(r1 - r0, lay.in_features)
+            else:  # the rows' values and scales, dequantized at each call
+                w = dequantizer(self.ring[lo:hi].view(r1 - r0, lay.row_bytes), lay.quant,
+                                lay.in_features, lay.dtype)
+            b, b_lo, b_hi = None, 0, 0
+            if lay.bias_offset is not None:
+                b_lo = lay.bias_offset + r0 * lay.dtype.itemsize
+                b_hi = b_lo + (r1 - r0) * lay.dtype.itemsize
+                b = self.biases[b_lo:b_hi].view(lay.dtype)
+            spans = tuple(dict.fromkeys(p.span for p in run))
+            frees = tuple(j for p in run for j in p.frees)
+            groups.append((spans, w, b, lo, hi, b_lo, b_hi, r0, r1, frees))
+        return groups
 
     def relearn(self, order: list[int]) -> None:
         """Plans the forward that calls ``order`` (the Linears' indices) from now on."""
@@ -321,23 +351,30 @@ class Streamer:
             self.issued += 1
         return ready
 
-    def _await_copy(self, stream: Any, j: int) -> None:
-        """The caller's stream waits for span ``j``'s copy of this lap (queued first)."""
-        index = self.lap * len(self.plan.spans) + j
-        if self.issued <= index:
-            self._pump()
-        if self.issued <= index:
-            raise InternalError(f"codegen.nn.offload: span {j} of lap {self.lap} cannot be "
-                                "copied before the call that reads it (a plan whose waits "
-                                "need a later reader; bug)")
-        if index < self.settled:
+    def _await_copies(self, stream: Any, spans: Sequence[int]) -> None:
+        """The caller's stream waits for the copies of ``spans`` of this lap (queued
+        first), timed as one wait."""
+        n = len(self.plan.spans)
+        waits = []
+        for j in spans:
+            index = self.lap * n + j
+            if self.issued <= index:
+                self._pump()
+            if self.issued <= index:
+                raise InternalError(f"codegen.nn.offload: span {j} of lap {self.lap} cannot be "
+                                    "copied before the call that reads it (a plan whose waits "
+                                    "need a later reader; bug)")
+            if index >= self.settled:
+                waits.append(j)
+        if not waits:
             return
         probe = self.probe_waits and self.now is not None and not self.capturing and isinstance(
             self.backend, _CudaBackend)
         if probe:
             before = self._probe_event()
             self.backend.record(before, stream)
-        self.backend.wait(stream, self.copied[j])
+        for j in waits:
+            self.backend.wait(stream, self.copied[j])
         if probe:
             after = self._probe_event()
             self.backend.record(after, stream)
@@ -427,33 +464,36 @@ class Streamer:
         if not call.pieces:  # no weight bytes: the caller's unplanned call is as cheap
             self._advance()
             return None
-        single = len(call.pieces) == 1
+        # Few rows (a decode step): one GEMM per merged run of pieces, for the host's sake
+        # (the GEMMs are too short to gain from starting before the run's last copy).
+        groups = (self.merged_groups if x.shape[0] <= MERGED_ROWS
+                  else self.piece_groups)[self.cursor]
+        single = len(groups) == 1
         out = None if single else x.new_empty(x.shape[0], lay.out_features)
         if call.bias_span is not None:
-            self._await_copy(stream, call.bias_span)
-        for piece, (w, b, lo, hi, b_lo, b_hi) in zip(call.pieces,
-                                                     self.piece_views[self.cursor]):
-            self._await_copy(stream, piece.span)
-            r0, r1 = piece.rows
+            self._await_copies(stream, (call.bias_span,))
+        for spans, w, b, lo, hi, b_lo, b_hi, r0, r1, frees in groups:
+            self._await_copies(stream, spans)
             self.backend.read(stream, "ring", lo, hi)
             if b is not None:
                 self.backend.read(stream, "biases", b_lo, b_hi)
             if lay.quant is not None:
-                w = w()  # the piece's rows dequantized (its dequantizer)
+                w = w()  # the rows dequantized (their dequantizer)
             if single:
                 out = F.linear(x, w, b)
             elif b is None:
                 torch.mm(x, w.t(), out=out[:, r0:r1])  # type: ignore[index]
             else:
                 torch.addmm(b, x, w.t(), out=out[:, r0:r1])  # type: ignore[index]
-            for j in piece.frees:
+            for j in frees:
                 self.backend.record(self.freed[j], stream)
                 self.freed_lap[j] = self.lap
-            for j in (piece.span, call.bias_span):
-                if self.now is not None and j is not None and (self.lap, j) not in self.now.read:
-                    self.now.read.add((self.lap, j))
-                    self.now.copies += 1
-                    self.now.bytes += self.plan.spans[j].nbytes
+            if self.now is not None:
+                for j in (*spans, call.bias_span):
+                    if j is not None and (self.lap, j) not in self.now.read:
+                        self.now.read.add((self.lap, j))
+                        self.now.copies += 1
+                        self.now.bytes += self.plan.spans[j].nbytes
             self._pump()
         if self.now is not None:
             self.now.planned_calls += 1
