@@ -13,12 +13,16 @@ long does the host take to queue a quantized decode forward?
    forward runs them, and one GEMM per piece) and GPU-resident: a decode forward must be queued
    faster than its copies run, or the host, not the copy engine, sets its time.
 
-    python -m benchmarks.probes.dequant_kernels
+    python -m benchmarks.probes.dequant_kernels [--forwards]   (--forwards: part 3 only)
 """
 
 from __future__ import annotations
 
+import cProfile
+import io
+import pstats
 import statistics
+import sys
 
 import torch
 
@@ -133,6 +137,17 @@ def forwards() -> None:
             print(f"4-layer Llama, 1 token, {label}: host {statistics.median(ms):.2f} ms "
                   f"per forward (of 5: {min(ms):.2f}-{max(ms):.2f})")
         streamer.MERGED_ROWS = 64
+        if kind == "int4":  # where its host time goes, in Python
+            profiler = cProfile.Profile()
+            with torch.no_grad():
+                profiler.enable()
+                for _ in range(5):
+                    model(ids)
+                profiler.disable()
+            torch.cuda.synchronize()
+            text = io.StringIO()
+            pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(18)
+            print("\n".join(line for line in text.getvalue().splitlines()[4:] if line.strip()))
         del model
         torch.cuda.empty_cache()
 
@@ -141,7 +156,8 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("dequant_kernels needs a CUDA GPU")
     print(torch.cuda.get_device_name(), torch.__version__)
-    kernels()
+    if "--forwards" not in sys.argv:
+        kernels()
     forwards()
 
 
