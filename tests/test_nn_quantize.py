@@ -393,7 +393,9 @@ from codegen.nn import quantize
 from codegen.nn.quantize import _KERNELS, _launcher, pack_rows, row_bytes, unpack_rows_eager
 
 torch.manual_seed(5)
-for kind, features in (("fp8", 14), ("fp8", 40), ("int4", 384)):
+# Rows of one block and of two, the second partial (fp8: 2048 bytes a block; int4: 1024).
+for kind, features in (("fp8", 14), ("fp8", 40), ("int4", 384), ("fp8", 2050),
+                       ("int4", 17 * 128)):
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         if features % dtype.itemsize:
             continue
@@ -420,6 +422,28 @@ for kind, features in (("fp8", 14), ("fp8", 40), ("int4", 384)):
         assert torch.equal(got, quantize.dequantize_reference(q, scale, dtype)), (kind, dtype)
 print("ok")
 """
+
+
+def test_the_gpu_dequantization_launch_puts_rows_on_the_grids_first_axis(monkeypatch):
+    """A weight of more rows than a CUDA grid's second axis takes (65535; an lm_head has
+    128256) launches: rows go on the first axis, byte blocks on the second."""
+    from codegen.nn import quantize
+
+    grids = []
+
+    class Kernel:
+        def __getitem__(self, grid):
+            grids.append(grid)
+            return lambda *args, **kwargs: None
+
+    monkeypatch.setitem(quantize._KERNELS, ("int4", torch.bfloat16), Kernel())
+    monkeypatch.setitem(quantize._KERNELS, ("fp8", torch.bfloat16), Kernel())
+    for kind, features, blocks in (("int4", 4096, 2), ("fp8", 14336, 7)):
+        raw = torch.zeros(128256, row_bytes(kind, features, torch.bfloat16),
+                          dtype=torch.uint8)
+        out = quantize._launcher(raw, kind, features, torch.bfloat16)()
+        assert out.shape == (128256, features) and out.dtype == torch.bfloat16
+        assert grids.pop() == (128256, blocks)
 
 
 def test_the_gpu_dequantization_kernels_equal_torchs_ops_bit_for_bit_interpreted():

@@ -5,8 +5,9 @@ torch's elementwise ops where Triton is missing or cannot build them).
 Each kernel reads raw arena rows, ``raw`` [rows, row_bytes] (uint8, any row stride), and
 their scales, ``scale`` (a view of the same rows' bytes in the weight's dtype), and writes
 the weight rows ``out`` [rows, in_features] contiguous. A program dequantizes ``BLOCK``
-bytes of one row (grid: (byte blocks, rows)): one coalesced load of the bytes, one of
-their scales, one store.
+bytes of one row (grid: (rows, byte blocks): rows on the grid's first axis, which takes
+2^31 - 1 of them, not the 65535 of the others: an lm_head has 128256): one coalesced load
+of the bytes, one of their scales, one store.
 
 The values are exact; the product with the scale is rounded once into the weight's dtype,
 to nearest even, as torch's ``q.to(dtype) * scale``. bfloat16 is rounded here from its
@@ -36,10 +37,10 @@ def _rounded(f, out):
 
 @triton.jit
 def int4_rows(raw, scale, out, raw_stride, scale_stride, n, K, BLOCK: tl.constexpr):
-    """Row ``pid(1)``: ``n`` bytes of two values each (the even feature in the low nibble,
+    """Row ``pid(0)``: ``n`` bytes of two values each (the even feature in the low nibble,
     sign-extended from 4 bits), then ``K / 128`` scales; value j times scale j // 128."""
-    row = tl.program_id(1).to(tl.int64)
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     b = tl.load(raw + row * raw_stride + offs, mask=mask, other=0).to(tl.int32)
     s = tl.load(scale + row * scale_stride + offs // 64, mask=mask, other=0).to(tl.float32)
@@ -47,16 +48,16 @@ def int4_rows(raw, scale, out, raw_stride, scale_stride, n, K, BLOCK: tl.constex
     high = b >> 4
     low = (low - ((low & 8) << 1)).to(tl.float32) * s
     high = (high - ((high & 8) << 1)).to(tl.float32) * s
-    o = 2 * tl.program_id(0) * BLOCK + tl.arange(0, 2 * BLOCK)
+    o = 2 * tl.program_id(1) * BLOCK + tl.arange(0, 2 * BLOCK)
     tl.store(out + row * K + o, _rounded(tl.interleave(low, high), out), mask=o < K)
 
 
 @triton.jit
 def fp8_rows(raw, scale, out, raw_stride, scale_stride, K, BLOCK: tl.constexpr):
-    """Row ``pid(1)``: ``K`` float8_e4m3fn values, decoded from their bits (exponent bias 7,
+    """Row ``pid(0)``: ``K`` float8_e4m3fn values, decoded from their bits (exponent bias 7,
     3 mantissa bits, exponent 0 subnormal, 0x7f and 0xff NaN), then its one scale."""
-    row = tl.program_id(1).to(tl.int64)
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < K
     b = tl.load(raw + row * raw_stride + offs, mask=mask, other=0).to(tl.int32)
     s = tl.load(scale + row * scale_stride).to(tl.float32)

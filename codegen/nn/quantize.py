@@ -186,7 +186,7 @@ def _launcher(raw: torch.Tensor, kind: str, in_features: int,
     stored = torch.int16 if dtype == torch.bfloat16 else dtype
     block = FP8_BLOCK if kind == "fp8" else INT4_BLOCK
     sizes = (in_features,) if kind == "fp8" else (n, in_features)
-    launch = _KERNELS[(kind, dtype)][((n + block - 1) // block, rows)]
+    launch = _KERNELS[(kind, dtype)][(rows, (n + block - 1) // block)]  # rows first
     device, shape = raw.device, (rows, in_features)
     # Triton launches on the current device (CPU tensors: its interpreter, the tests).
     on = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
