@@ -28,7 +28,8 @@ once and timed interleaved:
   streams once (from its arena rows put on the GPU); ``prefetch_over`` is the prefetch's
   (bf16) ms over the row's;
 - with ``--staging MiB,...``: each codegen row again (and its floor) with
-  ``offload(..., staging=MiB)``, named ``..._s<MiB>``.
+  ``offload(..., staging=MiB)``, named ``..._s<MiB>`` (a quantized one with its own
+  dequant row: it may stream other weights).
 
 Steps: prefills of ``--tokens`` tokens (1: the decode step of ``offload_llama``, one token
 after a 512-token prompt with a ``DynamicCache``), and with ``--generate N`` greedy
@@ -208,6 +209,8 @@ def dequant_row(source: Built) -> Built:
     by_shape: dict[tuple[int, ...], Callable[[], torch.Tensor]] = {}
     runs = []
     for lay in plan.layouts:
+        if lay.quant is None:  # a weight the format cannot take streams as it is
+            continue
         shape = (lay.out_features, lay.in_features, lay.row_bytes)
         if shape not in by_shape:
             raw = arena[lay.weight_offset:lay.weight_offset + lay.weight_bytes].to("cuda")
@@ -294,8 +297,7 @@ def rows_of(step: str, tokens: int, times: dict[str, list[float]],
         suffix = v[found.end(2):] if found else ""  # the row's format and staging
         floor = times.get(f"copy_p{percent}{suffix}") if percent is not None else None
         gpu = times.get("gpu")
-        dequant = (times.get(f"dequant_p{percent}{suffix}")
-                   or times.get(f"dequant_p{percent}{suffix.split('_s')[0]}")) if suffix else None
+        dequant = times.get(f"dequant_p{percent}{suffix}") if suffix else None
         if gpu and dequant:  # a quantized row's GPU-resident bound: + its dequantization
             gpu = [g + d for g, d in zip(gpu, dequant)]
         accel = (times.get(f"accelerate_p{percent}") if percent is not None and not suffix
@@ -303,7 +305,8 @@ def rows_of(step: str, tokens: int, times: dict[str, list[float]],
         prefetch = times.get("prefetch")
         bound = ([max(f, g) for f, g in zip(floor, gpu)] if floor and gpu else floor)
         rows.append({"step": step, "tokens": tokens, "variant": v, "ms": statistics.median(t),
-                     "vs_floor": median_ratio(t, bound) if bound else None,
+                     "vs_floor": (median_ratio(t, bound)
+                                  if bound and not v.startswith("dequant") else None),
                      "prefetch_over": median_ratio(prefetch, t) if prefetch else None,
                      "accelerate_over": median_ratio(accel, t) if accel else None,
                      "rounds": len(t), **{k: x for k, x in built[v].facts.items()
@@ -360,6 +363,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                      "integers")
     if any(not 0 <= b < 100 for b in args.budgets + args.accelerate_budgets):
         parser.error("budgets: percents in [0, 100)")
+    if any(mib <= 0 for mib in args.staging):
+        parser.error("--staging: sizes in MiB, each above 0")
     args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     args.quantize = [q.strip() for q in args.quantize.split(",") if q.strip()]
     if any(q not in ("fp8", "int4") for q in args.quantize):
@@ -386,7 +391,8 @@ def row_names(args: argparse.Namespace) -> list[str]:
             names += [f"codegen_p{p}_s{mib}", f"copy_p{p}_s{mib}"]
         for kind in args.quantize:
             for p in args.quantize_budgets:
-                names += [f"codegen_p{p}_{kind}_s{mib}", f"copy_p{p}_{kind}_s{mib}"]
+                names += [f"codegen_p{p}_{kind}_s{mib}", f"copy_p{p}_{kind}_s{mib}",
+                          f"dequant_p{p}_{kind}_s{mib}"]
     if "prefetch" in args.variants:
         names.append("prefetch")
     if "accelerate" in args.variants and importlib.util.find_spec("accelerate") is not None:

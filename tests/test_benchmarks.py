@@ -729,10 +729,11 @@ def test_offload_budget_dry_run_places_each_budget_of_the_8b_model():
 def test_offload_budget_bounds_a_quantized_row_by_the_gpu_model_plus_its_dequantization():
     """vs_floor: a row's ms over max(its copy floor, the GPU-resident model) per round; for a
     quantized row the GPU-resident model's time plus its dequant row's (a staging row of
-    that format takes the format's), for a bf16 row the GPU-resident model's alone."""
+    that format and staging), for a bf16 row the GPU-resident model's alone."""
     from benchmarks.offload_budget import Built, parse, row_names, rows_of
 
     times = {"gpu": [100.0, 110.0], "dequant_p0_fp8": [10.0, 10.0],
+             "dequant_p0_fp8_s512": [10.0, 10.0],
              "copy_p0_fp8": [90.0, 90.0], "codegen_p0_fp8": [115.5, 126.0],
              "copy_p0_fp8_s512": [100.0, 100.0], "codegen_p0_fp8_s512": [121.0, 132.0],
              "copy_p50": [120.0, 120.0], "codegen_p50": [126.0, 126.0],
@@ -743,9 +744,12 @@ def test_offload_budget_bounds_a_quantized_row_by_the_gpu_model_plus_its_dequant
     assert rows["codegen_p0_fp8_s512"]["vs_floor"] == pytest.approx(1.1)
     assert rows["codegen_p50"]["vs_floor"] == pytest.approx(1.05)  # / its copy floor
     assert rows["codegen_p50_s512"]["vs_floor"] == pytest.approx(1.05)  # / gpu alone
+    assert rows["dequant_p0_fp8"]["vs_floor"] is None
     names = row_names(parse(["--budgets", "0,50", "--variants", "gpu,copy", "--quantize",
                              "int4", "--staging", "512"]))
     assert names == ["gpu", "codegen_p0", "copy_p0", "codegen_p50", "copy_p50",
                      "codegen_p0_int4", "copy_p0_int4", "dequant_p0_int4", "codegen_p0_s512",
                      "copy_p0_s512", "codegen_p50_s512", "copy_p50_s512",
-                     "codegen_p0_int4_s512", "copy_p0_int4_s512"]
+                     "codegen_p0_int4_s512", "copy_p0_int4_s512", "dequant_p0_int4_s512"]
+    done = run_module("benchmarks.offload_budget", "--dry-run", "--staging", "0")
+    assert done.returncode == 2 and "--staging: sizes in MiB, each above 0" in done.stderr

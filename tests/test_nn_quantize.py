@@ -390,7 +390,7 @@ def test_a_kernel_that_does_not_build_falls_back_to_torchs_ops_and_says_so_once(
 _INTERPRETED = """
 import torch
 from codegen.nn import quantize
-from codegen.nn.quantize import _KERNELS, _launcher, pack_rows, row_bytes, unpack_rows_eager
+from codegen.nn.quantize import _launcher, pack_rows, row_bytes, unpack_rows_eager
 
 torch.manual_seed(5)
 # Rows of one block and of two, the second partial (fp8: 2048 bytes a block; int4: 1024).
@@ -399,8 +399,7 @@ for kind, features in (("fp8", 14), ("fp8", 40), ("int4", 384), ("fp8", 2050),
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         if features % dtype.itemsize:
             continue
-        from codegen.nn import kernels
-        _KERNELS[(kind, dtype)] = kernels.fp8_rows if kind == "fp8" else kernels.int4_rows
+        assert quantize._kernel(kind, dtype, torch.device("cpu")) is not None  # built, kept
         rows, width = 6, row_bytes(kind, features, dtype)
         w = torch.randn(rows, features, dtype=dtype) * 3
         q, scale = quantize.quantize_weight(w, kind)
@@ -422,6 +421,15 @@ for kind, features in (("fp8", 14), ("fp8", 40), ("int4", 384), ("fp8", 2050),
         assert torch.equal(got, quantize.dequantize_reference(q, scale, dtype)), (kind, dtype)
 print("ok")
 """
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_no_rows_dequantize_to_no_rows(kind):
+    from codegen.nn.quantize import unpack_rows_eager
+
+    raw = torch.zeros(0, row_bytes(kind, 256, torch.bfloat16), dtype=torch.uint8)
+    out = unpack_rows_eager(raw, kind, 256, torch.bfloat16)
+    assert out.shape == (0, 256) and out.dtype == torch.bfloat16
 
 
 def test_the_gpu_dequantization_launch_puts_rows_on_the_grids_first_axis(monkeypatch):

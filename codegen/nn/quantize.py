@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -147,37 +148,42 @@ def dequantizer(raw: torch.Tensor, kind: str, in_features: int,
 
 
 _KERNELS: dict[Any, Any] = {}  # (kind, dtype) -> the Triton kernel, or None where it failed
+_BUILDING = threading.Lock()
 
 
 def _kernel(kind: str, dtype: torch.dtype, device: torch.device) -> Any:
     """The Triton kernel that dequantizes ``kind`` into ``dtype``, built and run once on a
-    row of zeros the first time (Triton compiles at its first launch); None, said once,
-    where it cannot be imported or built. Errors of later calls (out of memory) are the
-    caller's."""
+    row of zeros the first time (Triton compiles at its first launch) and kept once that
+    ran; None, said once, where it cannot be imported or built. Running out of memory
+    there is the caller's error, as are errors of later calls."""
     key = (kind, dtype)
-    if key not in _KERNELS:
-        _KERNELS[key] = None
-        try:
-            from . import kernels
+    with _BUILDING:  # one thread builds; the others then read what it kept
+        if key not in _KERNELS:
+            try:
+                from . import kernels
 
-            _KERNELS[key] = kernels.fp8_rows if kind == "fp8" else kernels.int4_rows
-            features = INT4_GROUP
-            _launcher(torch.zeros(1, row_bytes(kind, features, dtype), dtype=torch.uint8,
-                                  device=device), kind, features, dtype)()
-        except Exception as e:  # noqa: BLE001 - any failure to build falls back, said once
-            _KERNELS[key] = None
-            logging.getLogger("codegen.nn").warning(
-                "codegen.nn.offload: the %s dequantization kernel (Triton) did not build "
-                "(%s: %s); dequantizing with torch's elementwise ops instead", kind,
-                type(e).__name__, e)
+                kernel = kernels.fp8_rows if kind == "fp8" else kernels.int4_rows
+                features = INT4_GROUP
+                _launcher(torch.zeros(1, row_bytes(kind, features, dtype), dtype=torch.uint8,
+                                      device=device), kind, features, dtype, kernel)()
+                _KERNELS[key] = kernel
+            except torch.OutOfMemoryError:
+                raise
+            except Exception as e:  # noqa: BLE001 - any failure to build falls back, said once
+                _KERNELS[key] = None
+                logging.getLogger("codegen.nn").warning(
+                    "codegen.nn.offload: the %s dequantization kernel (Triton) did not build "
+                    "(%s: %s); dequantizing with torch's elementwise ops instead", kind,
+                    type(e).__name__, e)
     return _KERNELS[key]
 
 
-def _launcher(raw: torch.Tensor, kind: str, in_features: int,
-              dtype: torch.dtype) -> Callable[[], torch.Tensor]:
-    """``dequantizer`` on a GPU: the kernel's grid and arguments bound once; each call
-    allocates the weight rows and launches one kernel on the current stream of ``raw``'s
-    device. bfloat16 rows are written as int16 (the kernel rounds them itself)."""
+def _launcher(raw: torch.Tensor, kind: str, in_features: int, dtype: torch.dtype,
+              kernel: Any = None) -> Callable[[], torch.Tensor]:
+    """``dequantizer`` on a GPU: ``kernel`` (default: the one ``_kernel`` kept), its grid
+    and arguments bound once; each call allocates the weight rows and launches one kernel
+    on the current stream of ``raw``'s device. bfloat16 rows are written as int16 (the
+    kernel rounds them itself)."""
     from .kernels import FP8_BLOCK, INT4_BLOCK
 
     rows = raw.shape[0]
@@ -186,14 +192,15 @@ def _launcher(raw: torch.Tensor, kind: str, in_features: int,
     stored = torch.int16 if dtype == torch.bfloat16 else dtype
     block = FP8_BLOCK if kind == "fp8" else INT4_BLOCK
     sizes = (in_features,) if kind == "fp8" else (n, in_features)
-    launch = _KERNELS[(kind, dtype)][(rows, (n + block - 1) // block)]  # rows first
+    kernel = kernel if kernel is not None else _KERNELS[(kind, dtype)]
+    launch = kernel[(rows, (n + block - 1) // block)]  # rows first
     device, shape = raw.device, (rows, in_features)
     # Triton launches on the current device (CPU tensors: its interpreter, the tests).
-    on = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+    index = device.index if device.type == "cuda" else None
 
     def run() -> torch.Tensor:
         out = torch.empty(shape, dtype=stored, device=device)
-        with on:
+        with torch.cuda.device(index) if index is not None else contextlib.nullcontext():
             launch(raw, scale, out, raw.stride(0), scale.stride(0), *sizes, BLOCK=block)
         return out.view(dtype)
 
@@ -214,4 +221,4 @@ def unpack_rows_eager(raw: torch.Tensor, kind: str, in_features: int,
     low = (values << 4).view(torch.int8) >> 4  # sign-extended low nibble
     high = values.view(torch.int8) >> 4
     q = torch.stack((low, high), dim=2).view(rows, in_features)
-    return dequantize_reference(q, scale.view(rows, -1), dtype)
+    return dequantize_reference(q, scale.view(rows, groups(kind, in_features)), dtype)
