@@ -18,8 +18,11 @@ Llama builders run anywhere, every other function needs a GPU when called.
 from __future__ import annotations
 
 import contextlib
+import cProfile
 import dataclasses
+import io
 import math
+import pstats
 import statistics
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -160,6 +163,23 @@ def gpu_busy(ms: float) -> Iterator[Busy]:
     finally:
         state.drained = marker.query()
         torch.cuda.synchronize()
+
+
+def python_profile(fn: Callable[[], T], rows: int = 18,
+                   orders: Sequence[str] = ("tottime",)) -> tuple[T, str]:
+    """``fn()`` under cProfile (where the host's time goes in Python; the torch profiler
+    sees only torch's ops and CUDA calls): its result, and the ``rows`` functions that
+    took longest by each of ``orders`` (pstats' sort keys), as pstats prints them."""
+    profiler = cProfile.Profile()
+    profiler.enable()
+    try:
+        result = fn()
+    finally:
+        profiler.disable()
+    text = io.StringIO()
+    for order in orders:
+        pstats.Stats(profiler, stream=text).sort_stats(order).print_stats(rows)
+    return result, "\n".join(line for line in text.getvalue().splitlines() if line.strip())
 
 
 def host_sample(fn: Callable[[], Any], calls: int = 10, busy_ms: float = 15.0) -> float:

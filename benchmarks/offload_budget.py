@@ -70,6 +70,7 @@ import torch
 import codegen.nn
 from benchmarks.common import (
     RESULTS,
+    Block,
     arena_copies,
     bind,
     generate_ms,
@@ -524,21 +525,17 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _call_ms(fn: Callable[[], Any], reps: int = 1) -> float:
-    """ms per call of ``reps`` calls queued right behind an untimed lead-in call, from a
-    synchronized device: each timed call starts as in a loop of calls, the copies an
-    offloaded forward queues at its end for the next one (into its staging) overlapping
-    the previous call. Timed from an idle device instead, a call would find up to its
-    whole staging copied before its start event, untimed: up to 10 ms of copies with a
-    512 MiB staging."""
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    """ms per call of ``reps`` calls queued right behind an untimed lead-in call (a
+    ``Block``), from a synchronized device: each timed call starts as in a loop of calls,
+    the copies an offloaded forward queues at its end for the next one (into its staging)
+    overlapping the previous call. Timed from an idle device instead, a call would find
+    up to its whole staging copied before its start event, untimed: up to 10 ms of copies
+    with a 512 MiB staging."""
+    block = Block(fn, reps)
     torch.cuda.synchronize()
-    fn()
-    start.record()
-    for _ in range(reps):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / reps
+    block.run()
+    torch.cuda.synchronize()
+    return block.ms()
 
 
 if __name__ == "__main__":

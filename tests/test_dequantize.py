@@ -600,15 +600,21 @@ def test_a_matmul_slices_a_per_row_dequantize_along_k():
 # ---------------------------------------------------------------------------- fusion
 
 
-def test_a_per_row_dequantize_fuses_into_its_reader():
-    """One kernel: its scale [n] is read along the rows (``rt::unsqueeze(s, 1)``), a bias
-    [k] along the columns; computed in fp32 and rounded once."""
-    with cg.Fusion("dq_add") as f:
+def dequantize_add_bias(name):
+    """``add(dequantize(q [n, k] fp8, s [n] fp32), b [k] bf16)``: a per-row dequantize and
+    its reader, to be fused."""
+    with cg.Fusion(name) as f:
         q = cg.input(["n", "k"], FP8, name="q")
         s = cg.input(["n"], F32, name="s")
         b = cg.input(["k"], BF16, name="b")
         cg.output(cg.add(cg.dequantize(q, s), b))
-    p = cg.lower(f)
+    return f
+
+
+def test_a_per_row_dequantize_fuses_into_its_reader():
+    """One kernel: its scale [n] is read along the rows (``rt::unsqueeze(s, 1)``), a bias
+    [k] along the columns; computed in fp32 and rounded once."""
+    p = cg.lower(dequantize_add_bias("dq_add"))
     (node,) = [n for n in p.nodes() if isinstance(n, hir.Compute)]
     assert str(node) == "Add(Dequantize(q, s, group_size=None, dtype=bfloat16), b, out=T4)"
     assert "rt::pointwise(kernel0, T4, {q, rt::unsqueeze(s, 1), b}, streams.current(), op);" \

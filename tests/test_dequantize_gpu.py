@@ -15,6 +15,7 @@ from test_dequantize import (
     I8,
     Stream,
     assert_bitwise,
+    dequantize_add_bias,
     exact_inputs,
     random_q,
     random_scale,
@@ -75,12 +76,7 @@ def test_gpu_dequantize_is_the_reference_bit_for_bit(cache_dir, kind, dtype, sca
 def test_gpu_per_row_dequantize_fused_with_a_bias_is_the_evaluator(cache_dir):
     """One kernel reads the scale [n] along the rows and the bias [k] along the columns;
     the evaluator computes the same expression in fp32, rounded once."""
-    with cg.Fusion("dq_add_bias") as f:
-        q = cg.input(["n", "k"], FP8, name="q")
-        s = cg.input(["n"], F32, name="s")
-        b = cg.input(["k"], BF16, name="b")
-        cg.output(cg.add(cg.dequantize(q, s), b))
-    op = cg.compile(f)
+    op = cg.compile(dequantize_add_bias("dq_add_bias"))
     gen = torch.Generator().manual_seed(12)
     q, s = random_q(64, 128, FP8, gen), random_scale((64,), F32, gen) * 1e-6
     b = torch.randn(128, generator=gen).to(BF16)

@@ -397,6 +397,7 @@ def test_few_rows_run_a_calls_pieces_as_one_gemm_per_run_back_to_back_in_the_rin
         want.append([tuple(r) for r in runs])
     assert [[g[0] for g in m] for m in s.merged_groups] == want
     assert want == [[(0, 1), (2, 3)], [(4, 5, 6), (7,)]]
+    assert s.merged_groups[1][1] is s.piece_groups[1][3]  # a run of one is its piece
 
 
 @pytest.mark.parametrize("rows", [1, 64, 65, 64 * 3])

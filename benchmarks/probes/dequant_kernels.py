@@ -18,16 +18,19 @@ long does the host take to queue a quantized decode forward?
 
 from __future__ import annotations
 
-import cProfile
-import io
-import pstats
 import statistics
 import sys
 
 import torch
 
 import codegen.nn
-from benchmarks.common import build, host_sample, is_decoder_linear, llama_config
+from benchmarks.common import (
+    build,
+    host_sample,
+    is_decoder_linear,
+    llama_config,
+    python_profile,
+)
 from codegen.nn import streamer
 from codegen.nn.quantize import (
     INT4_GROUP,
@@ -138,16 +141,10 @@ def forwards() -> None:
                   f"per forward (of 5: {min(ms):.2f}-{max(ms):.2f})")
         streamer.MERGED_ROWS = 64
         if kind == "int4":  # where its host time goes, in Python
-            profiler = cProfile.Profile()
             with torch.no_grad():
-                profiler.enable()
-                for _ in range(5):
-                    model(ids)
-                profiler.disable()
+                _, table = python_profile(lambda model=model: [model(ids) for _ in range(5)])
             torch.cuda.synchronize()
-            text = io.StringIO()
-            pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(18)
-            print("\n".join(line for line in text.getvalue().splitlines()[4:] if line.strip()))
+            print(table)
         del model
         torch.cuda.empty_cache()
 

@@ -21,10 +21,7 @@ from __future__ import annotations
 
 import argparse
 import collections
-import cProfile
 import gc
-import io
-import pstats
 import time
 import warnings
 from pathlib import Path
@@ -33,7 +30,13 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import codegen.nn
-from benchmarks.common import build, generate_ms, is_decoder_linear, llama_config
+from benchmarks.common import (
+    build,
+    generate_ms,
+    is_decoder_linear,
+    llama_config,
+    python_profile,
+)
 
 
 def offloaded(config: str) -> torch.nn.Module:
@@ -179,16 +182,11 @@ def generate(model: torch.nn.Module, config: str, n: int) -> None:
     run(2)
     # The first generate of n + 1 tokens (every length past the warm-up's new), profiled:
     # where its host time goes, and each forward's.
-    profiler = cProfile.Profile()
     host.clear()
-    profiler.enable()
-    first = run(n + 1)
-    profiler.disable()
+    first, table = python_profile(lambda: run(n + 1), rows=14)
     print(f"  first generate of {n + 1} tokens: {first:.1f} ms; host per forward "
           f"{', '.join(f'{h * 1e3:.1f}' for h in host)} ms")
-    stats = io.StringIO()
-    pstats.Stats(profiler, stream=stats).sort_stats("tottime").print_stats(14)
-    print("\n".join(line for line in stats.getvalue().splitlines()[4:] if line.strip()))
+    print(table)
     host.clear()
     again = run(n + 1)
     print(f"  the same again: {again:.1f} ms; host per forward "
@@ -269,14 +267,7 @@ def generate(model: torch.nn.Module, config: str, n: int) -> None:
               f"{f.unplanned_calls} unplanned calls, restart: {f.restart}")
     # Where the host's time goes in Python (the torch profiler sees only torch's ops and
     # CUDA calls): the functions that took longest, themselves and with what they call.
-    stats = io.StringIO()
-    profiler = cProfile.Profile()
-    profiler.enable()
-    run(4)
-    profiler.disable()
-    for order in ("tottime", "cumulative"):
-        pstats.Stats(profiler, stream=stats).sort_stats(order).print_stats(25)
-    print("\n".join(line for line in stats.getvalue().splitlines() if line.strip()))
+    print(python_profile(lambda: run(4), rows=25, orders=("tottime", "cumulative"))[1])
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
                  with_stack=True) as prof:
         run(4)

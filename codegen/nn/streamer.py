@@ -48,7 +48,7 @@ from .plan import StreamPlan, plan_stream
 from .quantize import dequantizer, unpack_rows
 
 # A call whose input has at most this many rows (a decode step, a small batch) runs its
-# pieces merged (``Streamer._groups``): fewer GEMMs and waits to queue.
+# pieces merged (``Streamer._merged``): fewer GEMMs and waits to queue.
 MERGED_ROWS = 64
 
 
@@ -248,7 +248,7 @@ class Streamer:
         self.observed: list[int] = []
         # Views made once (each costs microseconds of host time a call): every span's
         # destination and source, every GEMM's weight (or its dequantizer) and bias in the
-        # staging, by piece and by merged run of pieces (``_groups``).
+        # staging, by piece and by merged run of pieces (``_merged``).
         self.span_views = []
         for span in plan.spans:
             dst, lo = ((self.biases, span.arena_begin) if span.is_bias_block
@@ -256,49 +256,53 @@ class Streamer:
             self.span_views.append((dst[lo:lo + span.nbytes],  # type: ignore[operator]
                                     self.arena[span.arena_begin:span.arena_begin + span.nbytes],
                                     "biases" if span.is_bias_block else "ring", lo))
-        self.piece_groups = [self._groups(call, merge=False) for call in plan.calls]
-        self.merged_groups = [self._groups(call, merge=True) for call in plan.calls]
+        self.piece_groups = [self._pieces(call) for call in plan.calls]
+        self.merged_groups = [self._merged(call, groups)
+                              for call, groups in zip(plan.calls, self.piece_groups)]
 
-    def _groups(self, call: Any, merge: bool) -> list[tuple[Any, ...]]:
-        """A call's GEMMs: one per piece, or (``merge``) one per run of pieces that lie
-        back to back in the ring and whose frees no copy inside the run waits for (a copy
-        the run needs is then never held back by the run's own GEMM). Each group: (its
-        spans, weight rows (a view, or a quantized weight's dequantizer), bias rows,
-        ring bytes lo:hi, bias bytes lo:hi, rows r0:r1, the spans it frees)."""
-        plan = self.plan
-        lay = plan.layouts[call.linear]
-        runs: list[list[Any]] = []
-        for piece in call.pieces:
-            if merge and runs:
-                last = runs[-1][-1]
-                back_to_back = piece.ring_offset == last.ring_offset + (
-                    last.rows[1] - last.rows[0]) * lay.row_bytes
-                freed = {j for p in runs[-1] for j in p.frees}
-                first = runs[-1][0].span
-                held = any(d == 0 and k in freed for t in range(first + 1, piece.span + 1)
-                           for k, d in plan.spans[t].waits)
-                if back_to_back and not held:
-                    runs[-1].append(piece)
+    def _pieces(self, call: Any) -> list[tuple[Any, ...]]:
+        """A call's GEMMs, one per piece; each: (its spans, weight rows (a view, or a
+        quantized weight's dequantizer), bias rows, ring bytes lo:hi, bias bytes lo:hi,
+        rows r0:r1, the spans it frees)."""
+        return [self._group(call, [piece]) for piece in call.pieces]
+
+    def _merged(self, call: Any, pieces: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
+        """A call's GEMMs, one per run of pieces that lie back to back in the ring (a run
+        of one keeps its piece's group). A run never needs its own frees before its GEMM:
+        a piece frees only its span (and the bias block, which has no ring bytes), and a
+        copy waits only for spans whose ring bytes it overwrites, which back-to-back spans
+        do not share (``_await_copies`` raises if a plan ever broke this)."""
+        lay = self.plan.layouts[call.linear]
+        runs: list[list[int]] = []
+        for k, piece in enumerate(call.pieces):
+            if runs:
+                last = call.pieces[runs[-1][-1]]
+                if piece.ring_offset == last.ring_offset + (
+                        last.rows[1] - last.rows[0]) * lay.row_bytes:
+                    runs[-1].append(k)
                     continue
-            runs.append([piece])
-        groups = []
-        for run in runs:
-            r0, r1 = run[0].rows[0], run[-1].rows[1]
-            lo, hi = run[0].ring_offset, run[0].ring_offset + (r1 - r0) * lay.row_bytes
-            if lay.quant is None:
-                w = self.ring[lo:hi].view(lay.dtype).view(r1 - r0, lay.in_features)
-            else:  # the rows' values and scales, dequantized at each call
-                w = dequantizer(self.ring[lo:hi].view(r1 - r0, lay.row_bytes), lay.quant,
-                                lay.in_features, lay.dtype)
-            b, b_lo, b_hi = None, 0, 0
-            if lay.bias_offset is not None:
-                b_lo = lay.bias_offset + r0 * lay.dtype.itemsize
-                b_hi = b_lo + (r1 - r0) * lay.dtype.itemsize
-                b = self.biases[b_lo:b_hi].view(lay.dtype)
-            spans = tuple(dict.fromkeys(p.span for p in run))
-            frees = tuple(j for p in run for j in p.frees)
-            groups.append((spans, w, b, lo, hi, b_lo, b_hi, r0, r1, frees))
-        return groups
+            runs.append([k])
+        return [pieces[run[0]] if len(run) == 1
+                else self._group(call, [call.pieces[k] for k in run]) for run in runs]
+
+    def _group(self, call: Any, run: list[Any]) -> tuple[Any, ...]:
+        """One GEMM over the rows of ``run`` (pieces back to back in the ring)."""
+        lay = self.plan.layouts[call.linear]
+        r0, r1 = run[0].rows[0], run[-1].rows[1]
+        lo, hi = run[0].ring_offset, run[0].ring_offset + (r1 - r0) * lay.row_bytes
+        if lay.quant is None:
+            w = self.ring[lo:hi].view(lay.dtype).view(r1 - r0, lay.in_features)
+        else:  # the rows' values and scales, dequantized at each call
+            w = dequantizer(self.ring[lo:hi].view(r1 - r0, lay.row_bytes), lay.quant,
+                            lay.in_features, lay.dtype)
+        b, b_lo, b_hi = None, 0, 0
+        if lay.bias_offset is not None:
+            b_lo = lay.bias_offset + r0 * lay.dtype.itemsize
+            b_hi = b_lo + (r1 - r0) * lay.dtype.itemsize
+            b = self.biases[b_lo:b_hi].view(lay.dtype)
+        spans = tuple(p.span for p in run)
+        frees = tuple(j for p in run for j in p.frees)
+        return (spans, w, b, lo, hi, b_lo, b_hi, r0, r1, frees)
 
     def relearn(self, order: list[int]) -> None:
         """Plans the forward that calls ``order`` (the Linears' indices) from now on."""
