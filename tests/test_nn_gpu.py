@@ -118,13 +118,20 @@ def test_a_static_cache_decode_step_is_captured_and_replayed(staging, cache_dir)
     assert err < 1e-5, err
 
 
-def test_streamed_forwards_under_a_small_ring_match_the_gpu_model(cache_dir):
+@pytest.mark.parametrize("calls", ["runtime", "torch"])
+def test_streamed_forwards_under_a_small_ring_match_the_gpu_model(calls, cache_dir):
     """Copies that wrap a small ring many times a forward, queued ahead of GEMM pieces,
     forwards back to back without a host synchronization: each forward's logits are the
-    GPU-resident model's (fp32 without TF32), and the report counts the plan."""
+    GPU-resident model's (fp32 without TF32), and the report counts the plan. The events,
+    waits and copies made on the CUDA runtime directly, and through torch's wrappers."""
     torch.backends.cuda.matmul.allow_tf32 = False
     ref = tiny_llama(torch.float32, seed=3)
     model = codegen.nn.offload(copy.deepcopy(ref), staging="96KiB", copy_size="16KiB")
+    backend = model._codegen_offload.streamer.backend
+    if calls == "torch":
+        backend.runtime = None
+    else:
+        assert backend.runtime is not None  # torch's libcudart was found
     ref = ref.cuda()
     ids = [torch.randint(0, 101, (2, 17), device="cuda") for _ in range(6)]
     with torch.no_grad():
@@ -132,6 +139,7 @@ def test_streamed_forwards_under_a_small_ring_match_the_gpu_model(cache_dir):
         expect = [ref(i, use_cache=False).logits for i in ids]
     for g, e in zip(got, expect):
         torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5)
+    assert (backend.raw is not None) == (calls == "runtime")
     r = codegen.nn.report(model)
     assert r.unplanned_calls == 0 and r.copies == len(r.plan.spans) > 15
     assert r.staging_bytes == 96 * 1024 and 0 <= r.exposed_copy_ms <= r.forward_ms

@@ -10,8 +10,10 @@ long does the host take to queue a quantized decode forward?
 2. Host µs per call of each, the GPU held by a sleep kernel (``host_sample``).
 3. Host ms per forward of the 4-layer Llama of ``offload_llama`` (one token, no cache),
    offloaded at bf16, fp8 and int4 (each with its calls' pieces merged, as a one-token
-   forward runs them, and one GEMM per piece) and GPU-resident: a decode forward must be queued
-   faster than its copies run, or the host, not the copy engine, sets its time.
+   forward runs them, and one GEMM per piece; the streamer's events, waits and copies made
+   on the CUDA runtime directly, as offload makes them, and through torch's wrappers) and
+   GPU-resident: a decode forward must be queued faster than its copies run, or the host,
+   not the copy engine, sets its time.
 
     python -m benchmarks.probes.dequant_kernels [--forwards]   (--forwards: part 3 only)
 """
@@ -126,9 +128,17 @@ def forwards() -> None:
             codegen.nn.offload(model, filter=is_decoder_linear,
                                quantize=None if kind == "bf16" else kind)
         # Offloaded: its calls' pieces merged into one GEMM per run (as a one-token forward
-        # runs them), and one GEMM per piece (as a forward of more than MERGED_ROWS rows).
-        for merged in ((True, False) if kind is not None else (True,)):
+        # runs them) or one GEMM per piece (as a forward of more than MERGED_ROWS rows);
+        # events, waits and copies made on the CUDA runtime directly or through torch's
+        # wrappers.
+        backend = model._codegen_offload.streamer.backend if kind is not None else None
+        runtime = backend.runtime if backend is not None else None
+        conditions = ([(True, True), (True, False), (False, True)] if kind is not None
+                      else [(True, True)])
+        for merged, direct in conditions:
             streamer.MERGED_ROWS = 64 if merged else 0
+            if backend is not None:
+                backend.runtime = runtime if direct else None
             with torch.no_grad():
                 for _ in range(3):
                     model(ids)
@@ -136,9 +146,12 @@ def forwards() -> None:
                 ms = [host_sample(lambda model=model: model(ids), calls=1, busy_ms=200) / 1e3
                       for _ in range(5)]
             label = "GPU-resident" if kind is None else (
-                f"offloaded, {kind}, " + ("pieces merged" if merged else "a GEMM per piece"))
+                f"offloaded, {kind}, " + ("pieces merged" if merged else "a GEMM per piece")
+                + (", runtime calls" if direct and runtime is not None else ", torch's calls"))
             print(f"4-layer Llama, 1 token, {label}: host {statistics.median(ms):.2f} ms "
                   f"per forward (of 5: {min(ms):.2f}-{max(ms):.2f})")
+        if backend is not None:
+            backend.runtime = runtime
         streamer.MERGED_ROWS = 64
         if kind == "int4":  # where its host time goes, in Python
             with torch.no_grad():

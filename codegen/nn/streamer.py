@@ -44,6 +44,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import InternalError
+from . import cudart
 from .plan import StreamPlan, plan_stream
 from .quantize import dequantizer, unpack_rows
 
@@ -119,6 +120,9 @@ class _HostBackend:
         self.check = OrderCheck()
         self.copy_stream = "copy"
 
+    def enter(self) -> None:
+        pass
+
     def current(self) -> str:
         return "current"
 
@@ -146,37 +150,75 @@ class _HostBackend:
 
 
 class _CudaBackend:
-    """CUDA streams and events; the copy stream is the streamer's own."""
+    """CUDA streams and events; the copy stream is the streamer's own. While the
+    streamer's device is the current one (``enter``, at each forward's start), events,
+    waits and copies are made directly on the CUDA runtime (:mod:`.cudart`), and streams
+    are passed as raw handles; otherwise, or where that runtime is not found, through
+    torch's wrappers. Both act on the same events and streams."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
+        self.index = device.index if device.index is not None else torch.cuda.current_device()
         self.copy_stream = torch.cuda.Stream(device)
+        self.runtime = cudart.runtime()
+        self.raw: cudart.Runtime | None = None  # the runtime, while the calls go to it
+        self.scratch = self.event()  # ``order``'s event in raw mode
+
+    def enter(self) -> None:
+        """Chooses raw calls or torch's for the forward that begins."""
+        self.raw = self.runtime if torch.cuda.current_device() == self.index else None
 
     def capturing(self) -> bool:
         with torch.cuda.device(self.device):
             return torch.cuda.is_current_stream_capturing()
 
-    def current(self) -> torch.cuda.Stream:
+    def current(self) -> Any:
+        if self.raw is not None:
+            return torch._C._cuda_getCurrentRawStream(self.index)
         return torch.cuda.current_stream(self.device)
 
+    @staticmethod
+    def _handle(stream: Any) -> int:
+        return stream if isinstance(stream, int) else stream.cuda_stream
+
     def event(self, timing: bool = False) -> torch.cuda.Event:
-        return torch.cuda.Event(enable_timing=timing)
+        """A new event, recorded once (torch creates its CUDA event at its first record:
+        now, not first inside a capture, and with a handle for raw calls)."""
+        event = torch.cuda.Event(enable_timing=timing)
+        event.record(self.copy_stream)
+        return event
 
-    def record(self, event: torch.cuda.Event, stream: torch.cuda.Stream) -> None:
-        event.record(stream)
+    def record(self, event: torch.cuda.Event, stream: Any) -> None:
+        if self.raw is not None:
+            self.raw.record(event.cuda_event, self._handle(stream))
+        else:
+            event.record(stream)
 
-    def wait(self, stream: torch.cuda.Stream, event: torch.cuda.Event) -> None:
-        stream.wait_event(event)
+    def wait(self, stream: Any, event: torch.cuda.Event) -> None:
+        if self.raw is not None:
+            self.raw.wait(self._handle(stream), event.cuda_event)
+        else:
+            stream.wait_event(event)
 
-    def order(self, later: torch.cuda.Stream, earlier: torch.cuda.Stream) -> None:
-        later.wait_stream(earlier)
+    def order(self, later: Any, earlier: Any) -> None:
+        if self.raw is not None:  # a wait reads the event's last record when it is queued
+            self.raw.record(self.scratch.cuda_event, self._handle(earlier))
+            self.raw.wait(self._handle(later), self.scratch.cuda_event)
+        else:
+            later.wait_stream(earlier)
 
     def copying(self) -> contextlib.AbstractContextManager[None]:
-        """The copy stream current, for ``copy``."""
+        """The copy stream current, for ``copy`` (raw copies name their stream)."""
+        if self.raw is not None:
+            return contextlib.nullcontext()
         return torch.cuda.stream(self.copy_stream)
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor, buffer: str, lo: int) -> None:
-        dst.copy_(src, non_blocking=True)
+        """Bytes ``src`` (pinned host) into ``dst`` (device), on the copy stream."""
+        if self.raw is not None:
+            self.raw.copy(dst.data_ptr(), src.data_ptr(), dst.numel(), self.copy_stream.cuda_stream)
+        else:
+            dst.copy_(src, non_blocking=True)
 
     def read(self, stream: Any, buffer: str, lo: int, hi: int) -> None:
         pass
@@ -218,6 +260,9 @@ class Streamer:
             _CudaBackend(device) if device.type == "cuda" else _HostBackend())
         self.ring = torch.empty(plan.ring_bytes, dtype=torch.uint8, device=device)
         self.biases = torch.empty(plan.bias_bytes, dtype=torch.uint8, device=device)
+        if isinstance(self.backend, _CudaBackend):  # freed only once the copies into them ran
+            for t in (self.ring, self.biases):
+                t.record_stream(self.backend.copy_stream)
         self.active: int | None = None  # the thread whose forward runs the plan
         self.graphs = False  # a forward was captured: eager forwards join their copies
         self.last_captured = False
@@ -399,6 +444,7 @@ class Streamer:
         me = threading.get_ident()
         if self.active is not None and self.active != me:
             return False  # another thread's forward runs the plan; this one runs unplanned
+        self.backend.enter()
         stream = self.backend.current()
         capturing = self.backend.capturing()
         versions = self._versions()
