@@ -417,6 +417,10 @@ for kind, features in (("fp8", 14), ("fp8", 40), ("int4", 384), ("fp8", 2050),
             assert got.dtype == dtype and got.shape == want.shape and got.is_contiguous()
             same = (got == want) | (got.isnan() & want.isnan())
             assert same.all(), (kind, features, dtype, (got - want).abs().max())
+            into = torch.full_like(want, 7)
+            assert _launcher(piece, kind, features, dtype)(out=into).data_ptr() == (
+                into.data_ptr())
+            assert ((into == want) | (into.isnan() & want.isnan())).all(), (kind, dtype)
         got = _launcher(pack_rows(q, scale, kind), kind, features, dtype)()
         assert torch.equal(got, quantize.dequantize_reference(q, scale, dtype)), (kind, dtype)
 print("ok")
@@ -464,3 +468,77 @@ def test_the_gpu_dequantization_kernels_equal_torchs_ops_bit_for_bit_interpreted
     run = subprocess.run([sys.executable, "-c", _INTERPRETED], env=env, capture_output=True,
                          text=True, cwd=Path(__file__).resolve().parents[1])
     assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr[-3000:]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("staging, copy_size", [("24KiB", "4KiB"), (None, None)])
+def test_long_calls_dequantize_each_piece_beside_the_gemm_before_it(kind, staging, copy_size):
+    """A call of more than MERGED_ROWS rows dequantizes each piece of a quantized weight on
+    the dequantization stream, the next piece's (of the same call or the next) queued
+    ahead of this piece's GEMM; every piece once a forward, the caller waiting for each.
+    Few rows run as before, and the two mix across forwards; every read of the ring
+    checked against its copy and every copy against the reads it overwrites (three
+    streams' vector clocks)."""
+    from codegen.nn.streamer import MERGED_ROWS, Streamer
+
+    ref = tiny_llama(dtype=torch.bfloat16, seed=8, hidden=128, intermediate=256,
+                     max_positions=256)
+    want = quantized_reference(ref, kind)
+    model = codegen.nn.offload(copy.deepcopy(ref), device="cpu", quantize=kind,
+                               staging=staging, copy_size=copy_size,
+                               filter=lambda n, m: n != "lm_head")
+    s = model._codegen_offload.streamer
+    seen, ahead_hits = [], []
+    dequantize, dequantized = Streamer._dequantize, Streamer._dequantized
+
+    def spy_dequantize(self, c, k, stream, event):
+        seen.append((self.lap, c, k))
+        return dequantize(self, c, k, stream, event)
+
+    def spy_dequantized(self, k, stream):
+        ahead_hits.append(self.ahead is not None and self.ahead[0] == (self.lap, self.cursor, k))
+        return dequantized(self, k, stream)
+
+    pieces = [(c, k) for c, call in enumerate(s.plan.calls) for k in range(len(call.pieces))]
+    with pytest.MonkeyPatch.context() as mp, torch.no_grad():
+        mp.setattr(Streamer, "_dequantize", spy_dequantize)
+        mp.setattr(Streamer, "_dequantized", spy_dequantized)
+        for rows in (MERGED_ROWS + 1, 1, 192, 192):
+            seen.clear()
+            ahead_hits.clear()
+            ids = torch.randint(0, 97, (1, rows))
+            torch.testing.assert_close(model(ids).logits, want(ids).logits, rtol=2e-2,
+                                       atol=2e-2)
+            if rows <= MERGED_ROWS:
+                assert seen == [] and ahead_hits == []
+                continue
+            assert sorted(seen) == sorted({(lap, c, k) for lap, c, k in seen})  # once each
+            assert [(c, k) for _, c, k in seen] == pieces  # in plan order
+            assert len(ahead_hits) == len(pieces) and ahead_hits[0] is False
+            assert all(ahead_hits[1:])  # every later piece was dequantized ahead
+    r = codegen.nn.report(model)
+    assert r.unplanned_calls == 0 and s.ahead is None
+    assert len(pieces) > len(s.plan.calls) or staging is None
+
+
+@pytest.mark.parametrize("skip", ["the copies", "the dequantization"])
+def test_a_dequantization_out_of_order_is_caught(skip):
+    """The order check covers the dequantization stream: its reads of the ring without
+    waiting for their copies, or a free of ring bytes recorded before the caller's stream
+    waited for the dequantization that read them, raise at once."""
+    ref = tiny_llama(dtype=torch.bfloat16, seed=9, hidden=128, intermediate=256,
+                     max_positions=256)
+    model = codegen.nn.offload(copy.deepcopy(ref), device="cpu", quantize="fp8",
+                               staging="24KiB", copy_size="4KiB",
+                               filter=lambda n, m: n != "lm_head")
+    s = model._codegen_offload.streamer
+    await_copies, wait = s._await_copies, s._wait
+    if skip == "the copies":
+        s._await_copies = lambda stream, spans, timed=True: (
+            None if stream == "dequantize" else await_copies(stream, spans, timed))
+    else:
+        s._wait = lambda stream, events, timed=True: wait(
+            stream, [e for e in events if not any(e is d for d in s.dequantized)], timed)
+    with pytest.raises(codegen.InternalError, match="staging order"), torch.no_grad():
+        for _ in range(2):
+            model(torch.randint(0, 97, (1, 100)))

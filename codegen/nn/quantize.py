@@ -20,7 +20,6 @@ the scales it needs and a copy plan cuts quantized weights exactly as it cuts ot
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import threading
 from collections.abc import Callable
@@ -136,15 +135,21 @@ def unpack_rows(raw: torch.Tensor, kind: str, in_features: int,
 
 
 def dequantizer(raw: torch.Tensor, kind: str, in_features: int,
-                dtype: torch.dtype) -> Callable[[], torch.Tensor]:
-    """``unpack_rows`` of ``raw`` as a function of no arguments that reads the rows as they
-    are when it is called: its views and launch arguments are made once (the streamer
-    makes one per GEMM piece and calls it every forward). On a GPU it is one Triton kernel
+                dtype: torch.dtype) -> Callable[..., torch.Tensor]:
+    """``unpack_rows`` of ``raw`` as a function that reads the rows as they are when it is
+    called, into a new tensor or into ``out=`` (``dtype`` [rows, in_features], contiguous),
+    which it returns: its views and launch arguments are made once (the streamer makes one
+    per GEMM piece and calls it every forward). On a GPU it is one Triton kernel
     (:mod:`codegen.nn.kernels`); elsewhere, and where that kernel cannot be built, torch's
     elementwise ops (:func:`unpack_rows_eager`)."""
     if raw.is_cuda and raw.shape[0] and _kernel(kind, dtype, raw.device) is not None:
         return _launcher(raw, kind, in_features, dtype)
-    return functools.partial(unpack_rows_eager, raw, kind, in_features, dtype)
+
+    def eager(out: torch.Tensor | None = None) -> torch.Tensor:
+        w = unpack_rows_eager(raw, kind, in_features, dtype)
+        return w if out is None else out.copy_(w)
+
+    return eager
 
 
 _KERNELS: dict[Any, Any] = {}  # (kind, dtype) -> the Triton kernel, or None where it failed
@@ -179,11 +184,11 @@ def _kernel(kind: str, dtype: torch.dtype, device: torch.device) -> Any:
 
 
 def _launcher(raw: torch.Tensor, kind: str, in_features: int, dtype: torch.dtype,
-              kernel: Any = None) -> Callable[[], torch.Tensor]:
+              kernel: Any = None) -> Callable[..., torch.Tensor]:
     """``dequantizer`` on a GPU: ``kernel`` (default: the one ``_kernel`` kept), its grid
-    and arguments bound once; each call allocates the weight rows and launches one kernel
-    on the current stream of ``raw``'s device. bfloat16 rows are written as int16 (the
-    kernel rounds them itself)."""
+    and arguments bound once; each call allocates the weight rows (or takes ``out``) and
+    launches one kernel on the current stream of ``raw``'s device. bfloat16 rows are
+    written as int16 (the kernel rounds them itself)."""
     from .kernels import FP8_BLOCK, INT4_BLOCK
 
     rows = raw.shape[0]
@@ -198,11 +203,12 @@ def _launcher(raw: torch.Tensor, kind: str, in_features: int, dtype: torch.dtype
     # Triton launches on the current device (CPU tensors: its interpreter, the tests).
     index = device.index if device.type == "cuda" else None
 
-    def run() -> torch.Tensor:
-        out = torch.empty(shape, dtype=stored, device=device)
+    def run(out: torch.Tensor | None = None) -> torch.Tensor:
+        into = (torch.empty(shape, dtype=stored, device=device) if out is None
+                else out.view(stored))
         with torch.cuda.device(index) if index is not None else contextlib.nullcontext():
-            launch(raw, scale, out, raw.stride(0), scale.stride(0), *sizes, BLOCK=block)
-        return out.view(dtype)
+            launch(raw, scale, into, raw.stride(0), scale.stride(0), *sizes, BLOCK=block)
+        return into.view(dtype)
 
     return run
 
