@@ -19,6 +19,9 @@ once and timed interleaved:
   ``dispatch_model`` (what ``device_map="auto"`` does): the layers that do not fit run
   from pageable host memory through its hooks;
 - prefetch: the hand-written layer prefetch of ``offload_llama`` (every weight streamed);
+- prefetch_per_forward (named in ``--variants``): the same without the copy across
+  forwards (``LayerPrefetch(model, wrap=False)``): each forward waits for its first
+  layer's copy;
 - gpu: the model with every weight on the GPU;
 - copy_p<p>: the weights codegen_p<p> streams copied alone, whole, back to back from its
   pinned arena on one stream (the floor of that budget);
@@ -246,14 +249,15 @@ def accelerate_row(config: Any, percent: int) -> Built:
 
 # A row's name: what it runs, its budget, its format, its staging (MiB) where set.
 ROW = r"([a-z]+)_p([0-9]+)(?:_(fp8|int4))?(?:_s([0-9]+))?"
+PREFETCHES = ("prefetch", "prefetch_per_forward")  # LayerPrefetch rows: every weight streamed
 
 
 def make(name: str, config: Any, built: dict[str, Built]) -> Built:
     if name == "gpu":
         return Built(name, build(config))
-    if name == "prefetch":
+    if name in PREFETCHES:
         model = build(config)
-        return Built(name, model, keep=LayerPrefetch(model))
+        return Built(name, model, keep=LayerPrefetch(model, wrap=name == "prefetch"))
     found = re.fullmatch(ROW, name)
     kind, percent, quantize, staging = found.groups() if found else (None,) * 4
     if kind == "codegen":
@@ -294,7 +298,7 @@ def rows_of(step: str, tokens: int, times: dict[str, list[float]],
     rows = []
     for v, t in times.items():
         found = re.fullmatch(ROW, v)
-        percent = found.group(2) if found else "0" if v == "prefetch" else None
+        percent = found.group(2) if found else "0" if v in PREFETCHES else None
         suffix = v[found.end(2):] if found else ""  # the row's format and staging
         floor = times.get(f"copy_p{percent}{suffix}") if percent is not None else None
         gpu = times.get("gpu")
@@ -375,7 +379,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 def row_names(args: argparse.Namespace) -> list[str]:
     """The rows, in set-up order: the GPU-resident model, codegen's budgets (with their
-    copy floors right after), the prefetch, accelerate's budgets."""
+    copy floors right after), the prefetches, accelerate's budgets."""
     names = []
     if "gpu" in args.variants:
         names.append("gpu")
@@ -394,8 +398,7 @@ def row_names(args: argparse.Namespace) -> list[str]:
             for p in args.quantize_budgets:
                 names += [f"codegen_p{p}_{kind}_s{mib}", f"copy_p{p}_{kind}_s{mib}",
                           f"dequant_p{p}_{kind}_s{mib}"]
-    if "prefetch" in args.variants:
-        names.append("prefetch")
+    names += [v for v in PREFETCHES if v in args.variants]
     if "accelerate" in args.variants and importlib.util.find_spec("accelerate") is not None:
         names += [f"accelerate_p{p}" for p in args.accelerate_budgets]
     return names

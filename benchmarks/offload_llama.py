@@ -23,6 +23,10 @@ changes a model in place):
 - prefetch: a hand-written layer prefetch in PyTorch (``LayerPrefetch``): two GPU buffer
   sets of one decoder layer's Linear weights each; a side stream copies layer l+1 into one
   while layer l reads the other, the last layer starts layer 0 of the next forward;
+- prefetch_per_forward: the same without the copy across forwards
+  (``LayerPrefetch(model, wrap=False)``), the plain form of this prefetch: the last layer
+  starts no copy, so each forward waits for its first layer's copy (exposed at every
+  forward);
 - gpu: the model with every weight on the GPU;
 - copy: the offloaded bytes copied alone from pinned memory, one copy per weight into a
   preallocated GPU buffer, back to back on one stream (the floor);
@@ -33,9 +37,8 @@ changes a model in place):
 
 ``--tokens``: prefills of that many tokens (no KV cache); 1 is the decode step instead:
 one token after a 512-token prompt, with a KV cache (``DecodeStep``: a ``DynamicCache``,
-each call eager), for codegen, prefetch, gpu, copy and the quantized rows. Where codegen
-is timed, the decode
-step also has the row
+each call eager), for codegen, both prefetches, gpu, copy and the quantized rows. Where
+codegen is timed, the decode step also has the row
 
 - codegen_graph: a model offloaded as codegen's (an arena and staging of its own: an
   eager forward of a model that has been captured joins its copies at its end, so that a
@@ -50,8 +53,8 @@ step also has the row
 
 ``--generate N`` adds the generate step: greedy ``generate`` of N new tokens after the
 512-token prompt (a ``DynamicCache``, the host reading each token between steps), for
-codegen, prefetch and gpu; ms per token is the difference between generating N + 1 and
-1 tokens (the prompt's prefill), over N, and the copy floor's row is one forward's copy.
+codegen, both prefetches and gpu; ms per token is the difference between generating N + 1
+and 1 tokens (the prompt's prefill), over N, and the copy floor's row is one forward's copy.
 
 Each step times its variants in rounds after a warm-up, every variant once per round in
 a rotated order, the device synchronized before each block (a variant's side-stream
@@ -72,11 +75,11 @@ host_mib is codegen's arena.
 
 Writes offload_llama.json (rows: tokens, step, kv_cache, cache, graph, variant, ms,
 ratio_copy, ratio_floor (to the row's own floor: copy_<kind> for a quantized row, copy
-otherwise), ratio_accelerate, over_prefetch (the prefetch's ms over the row's: tokens/s
-over the hand-written prefetch's), gpu_mib, host_mib; cache is the decode step's KV cache,
-"dynamic" or "static", None in a prefill and for the copy floor; graph whether the row
-replays a CUDA graph) to --out and prints the table. Needs a CUDA GPU (``--dry-run`` does
-not: it prints what would run).
+otherwise), ratio_accelerate, over_prefetch (the prefetch row's ms over the row's: tokens/s
+over the hand-written prefetch's, the one that copies across forwards), gpu_mib, host_mib;
+cache is the decode step's KV cache, "dynamic" or "static", None in a prefill and for the
+copy floor; graph whether the row replays a CUDA graph) to --out and prints the table.
+Needs a CUDA GPU (``--dry-run`` does not: it prints what would run).
 """
 
 from __future__ import annotations
@@ -121,9 +124,9 @@ from benchmarks.common import (
 from codegen.nn import StaticDecodeStep, cache_keyword, capture_graph
 
 QUANTIZED = ("fp8", "int4")  # codegen_<kind>: offload(..., quantize=kind); copy_<kind>: its floor
-VARIANTS = ("codegen", "codegen_noprefetch", "accelerate", "prefetch", "gpu", "copy",
-            *(f"{v}_{k}" for k in QUANTIZED for v in ("codegen", "copy")))
-DECODE_VARIANTS = ("codegen", "prefetch", "gpu", "copy",
+VARIANTS = ("codegen", "codegen_noprefetch", "accelerate", "prefetch", "prefetch_per_forward",
+            "gpu", "copy", *(f"{v}_{k}" for k in QUANTIZED for v in ("codegen", "copy")))
+DECODE_VARIANTS = ("codegen", "prefetch", "prefetch_per_forward", "gpu", "copy",
                    *(f"{v}_{k}" for k in QUANTIZED for v in ("codegen", "copy")))
 GRAPHED = {"codegen_graph": "codegen"}  # a decode row replayed from a CUDA graph: its variant
 DECODE_PROMPT = 512  # tokens in the KV cache of the decode step
@@ -272,14 +275,16 @@ class PrefetchSchedule:
     """What each decoder-layer call does in the hand-written prefetch, in plain Python:
     call c (counted over forwards) reads buffer set c % sets and, before it runs, starts
     the copy of the next layer (after the last layer, layer 0 of the next forward) into
-    set (c + 1) % sets, so that copy runs under this call. ``LayerPrefetch`` carries the
-    actions out with CUDA streams and events."""
+    set (c + 1) % sets, so that copy runs under this call. With ``wrap=False`` the last
+    layer starts no copy: layer 0 is copied urgently when it is called, at every forward,
+    even where a set still holds it from an earlier forward. ``LayerPrefetch`` carries
+    the actions out with CUDA streams and events."""
 
-    def __init__(self, layers: int, sets: int = SETS) -> None:
+    def __init__(self, layers: int, sets: int = SETS, *, wrap: bool = True) -> None:
         if layers < 1 or sets < 2:
             raise ValueError(f"PrefetchSchedule: need layers >= 1 and sets >= 2, got "
                              f"{layers}, {sets}")
-        self.layers, self.sets = layers, sets
+        self.layers, self.sets, self.wrap = layers, sets, wrap
         self.calls = 0
         self.holds: dict[int, int] = {}  # buffer set -> the layer last copied into it
         self.running: Use | None = None
@@ -293,10 +298,12 @@ class PrefetchSchedule:
                                f"{self.running.layer} runs")
         buf, nxt = self.calls % self.sets, (self.calls + 1) % self.sets
         actions: list[Copy | Use] = []
-        if self.holds.get(buf) != layer:
+        if self.holds.get(buf) != layer or (layer == 0 and not self.wrap):
             actions.append(Copy(layer, buf, urgent=True))
         self.running = Use(layer, buf)
-        actions += [self.running, Copy((layer + 1) % self.layers, nxt)]
+        actions.append(self.running)
+        if self.wrap or layer + 1 < self.layers:
+            actions.append(Copy((layer + 1) % self.layers, nxt))
         for a in actions:
             if isinstance(a, Copy):
                 self.holds[a.buf] = a.layer
@@ -318,10 +325,11 @@ class LayerPrefetch:
     ``weight.data`` at its view in the set ``PrefetchSchedule`` names and start the next
     layer's copies on a side stream; forward hooks record the set's release. Events
     order each copy before the layer that reads it, and each copy after the layer that
-    last read its set. The model itself runs unchanged. On the CPU (tests) the copies are
-    synchronous and there are no streams."""
+    last read its set. ``wrap``: whether the last layer starts layer 0's copy for the next
+    forward (``PrefetchSchedule``). The model itself runs unchanged. On the CPU (tests)
+    the copies are synchronous and there are no streams."""
 
-    def __init__(self, model: Any) -> None:
+    def __init__(self, model: Any, wrap: bool = True) -> None:
         device = model.model.embed_tokens.weight.device
         self.linears = decoder_linears(model)
         dtype = self.linears[0][0].weight.dtype
@@ -341,7 +349,7 @@ class LayerPrefetch:
         for ms, views in zip(self.linears, self.views[0]):
             for m, v in zip(ms, views):
                 m.weight.data = v  # the original (GPU) weight is freed here
-        self.schedule = PrefetchSchedule(len(self.linears))
+        self.schedule = PrefetchSchedule(len(self.linears), wrap=wrap)
         self.side = torch.cuda.Stream(device) if cuda else None
         self.copied = [torch.cuda.Event() for _ in self.sets] if cuda else []
         self.released = [torch.cuda.Event() for _ in self.sets] if cuda else []
@@ -476,8 +484,8 @@ def make(name: str, config: Any, shapes: list[list[tuple[int, ...]]],
             layer.cpu()
             accelerate.cpu_offload(layer, execution_device=torch.device("cuda"))
         return Variant(name, model)
-    if name == "prefetch":
-        return Variant(name, model, keep=LayerPrefetch(model))
+    if name in ("prefetch", "prefetch_per_forward"):
+        return Variant(name, model, keep=LayerPrefetch(model, wrap=name == "prefetch"))
     raise ValueError(f"unknown variant {name!r}")
 
 

@@ -528,7 +528,7 @@ def test_offload_llama_buffer_plan_of_the_benchmark_model():
     assert plan.numel * 2 == 416 * 2**20  # q, k, v, o, gate, up, down of one layer
 
 
-def replay_schedule(calls: list[int], layers: int):
+def replay_schedule(calls: list[int], layers: int, wrap: bool = True):
     """Drives a PrefetchSchedule through decoder-layer calls in order and checks, in the
     host order the actions are queued in, what the CUDA streams would do: a layer reads
     its own weights (the last copy into its set was of that layer), and a copy that only
@@ -537,7 +537,7 @@ def replay_schedule(calls: list[int], layers: int):
     copies never read)."""
     from benchmarks import offload_llama as ol
 
-    schedule = ol.PrefetchSchedule(layers)
+    schedule = ol.PrefetchSchedule(layers, wrap=wrap)
     content: dict[int, int] = {}
     unreleased: set[int] = set()
     unread: set[int] = set()
@@ -579,6 +579,33 @@ def test_offload_llama_prefetch_copies_the_next_layer_under_this_one(layers):
                                   ol.Release(buf)], c
 
 
+@pytest.mark.parametrize("layers", [1, 2, 3, 4])
+def test_offload_llama_prefetch_per_forward_copies_the_first_layer_when_it_runs(layers):
+    from benchmarks import offload_llama as ol
+
+    forwards = 3
+    calls = list(range(layers)) * forwards
+    per_call, urgent, wasted = replay_schedule(calls, layers, wrap=False)
+    assert urgent == forwards and wasted == 0  # every forward waits for its layer 0
+    for c, actions in enumerate(per_call):
+        layer = c % layers
+        buf, other = c % ol.SETS, (c + 1) % ol.SETS
+        # layer 0 copied when it runs, even where its set still holds it (1 or 2 layers)
+        lead = [ol.Copy(0, buf, urgent=True)] if layer == 0 else []
+        # the last layer starts no copy
+        tail = [ol.Copy(layer + 1, other)] if layer + 1 < layers else []
+        assert actions == lead + [ol.Use(layer, buf), *tail, ol.Release(buf)], c
+    # every layer copied once per forward; the rest as with the copy across forwards
+    copies = [a.layer for actions in per_call for a in actions if isinstance(a, ol.Copy)]
+    assert sorted(copies) == sorted(calls)
+    wrapped, _, _ = replay_schedule(calls, layers)
+
+    def without_layer_0_copies(per_call):
+        return [[a for a in actions if not (isinstance(a, ol.Copy) and a.layer == 0)]
+                for actions in per_call]
+    assert without_layer_0_copies(per_call) == without_layer_0_copies(wrapped)
+
+
 def test_offload_llama_prefetch_recovers_from_calls_out_of_order():
     # a forward that stops after layer 1 (the prefetched layer 2 is never read), and one
     # that starts at layer 2: each first layer copies urgently, reads stay right
@@ -601,13 +628,15 @@ def tiny_llama(seed: int = 0, layers: int = 3):
     return helpers.tiny_llama(seed=seed, layers=layers, intermediate=96)
 
 
-def test_offload_llama_prefetch_hooks_leave_the_model_unchanged():
+@pytest.mark.parametrize("wrap", [True, False])
+def test_offload_llama_prefetch_hooks_leave_the_model_unchanged(wrap):
     """On the CPU the hooks copy synchronously: what is checked is that each layer's
     Linears read their own weights from the buffer sets, over several forwards."""
     from benchmarks import offload_llama as ol
 
     ref, model = tiny_llama(), tiny_llama()
-    prefetch = ol.LayerPrefetch(model)
+    prefetch = ol.LayerPrefetch(model, wrap=wrap)
+    assert prefetch.schedule.wrap is wrap
     sets = {s.untyped_storage().data_ptr() for s in prefetch.sets}
     assert len(prefetch.sets) == ol.SETS
     assert prefetch.nbytes == ol.SETS * prefetch.plan.numel * 4
@@ -672,8 +701,8 @@ def test_offload_llama_steps_and_rounds():
 
     names = list(ol.VARIANTS)
     assert ol.steps([512, 1], names) == [
-        (512, names), (1, ["codegen", "prefetch", "gpu", "copy", "codegen_fp8", "copy_fp8",
-                           "codegen_int4", "copy_int4"])]
+        (512, names), (1, ["codegen", "prefetch", "prefetch_per_forward", "gpu", "copy",
+                           "codegen_fp8", "copy_fp8", "codegen_int4", "copy_int4"])]
     assert [ol._quantized(v) for v in ("codegen_fp8", "copy_int4", "codegen", "copy",
                                        "codegen_int8")] == ["fp8", "int4", None, None, None]
     assert [ol._floor_of(v) for v in ("codegen_fp8", "copy_fp8", "codegen_s4")] == [
@@ -690,8 +719,8 @@ def test_offload_llama_command_line_without_gpu():
     done = run_module("benchmarks.offload_llama", "--dry-run")
     assert done.returncode == 0, done.stderr
     assert "prefill 4096: 3 rounds of codegen" in done.stdout
-    assert "decode (1 token, 512-token KV cache): 5 rounds of codegen, prefetch, gpu, copy" \
-        in done.stdout
+    assert ("decode (1 token, 512-token KV cache): 5 rounds of codegen, prefetch, "
+            "prefetch_per_forward, gpu, copy") in done.stdout
     assert "2 buffer sets of 416.0 MiB" in done.stdout
     done = run_module("benchmarks.offload_llama", "--dry-run", "--tokens", "1",
                       "--variants", "gpu,accelerate", "--rounds", "7")
@@ -704,6 +733,19 @@ def test_offload_llama_command_line_without_gpu():
     assert done.stdout.splitlines()[0] == "prefill 512: 5 rounds of codegen, codegen_s4, copy"
     done = run_module("benchmarks.offload_llama", "--tokens", "512,x")
     assert done.returncode == 2 and "--tokens" in done.stderr
+
+
+def test_offload_llama_builds_each_prefetch(monkeypatch):
+    from benchmarks import offload_budget as ob
+    from benchmarks import offload_llama as ol
+
+    monkeypatch.setattr(ol, "build", lambda config: tiny_llama())
+    monkeypatch.setattr(ob, "build", lambda config: tiny_llama())
+    for name, wrap in (("prefetch", True), ("prefetch_per_forward", False)):
+        v = ol.make(name, None, [], {})
+        assert isinstance(v.keep, ol.LayerPrefetch) and v.keep.schedule.wrap is wrap
+        b = ob.make(name, None, {})
+        assert isinstance(b.keep, ol.LayerPrefetch) and b.keep.schedule.wrap is wrap
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message shown without a GPU")
@@ -751,5 +793,17 @@ def test_offload_budget_bounds_a_quantized_row_by_the_gpu_model_plus_its_dequant
                      "codegen_p0_int4", "copy_p0_int4", "dequant_p0_int4", "codegen_p0_s512",
                      "copy_p0_s512", "codegen_p50_s512", "copy_p50_s512",
                      "codegen_p0_int4_s512", "copy_p0_int4_s512", "dequant_p0_int4_s512"]
+    # both prefetches stream every weight: bounded by the 0% floor, over the prefetch's
+    times = {"gpu": [10.0, 10.0], "copy_p0": [100.0, 100.0], "prefetch": [101.0, 101.0],
+             "prefetch_per_forward": [106.0, 106.0]}
+    rows = {r["variant"]: r for r in rows_of("decode", 1, times,
+                                                {v: Built(v) for v in times})}
+    assert rows["prefetch"]["vs_floor"] == pytest.approx(1.01)
+    assert rows["prefetch_per_forward"]["vs_floor"] == pytest.approx(1.06)
+    assert rows["prefetch_per_forward"]["prefetch_over"] == pytest.approx(101 / 106)
+    assert row_names(parse(["--budgets", "0", "--variants", "prefetch_per_forward,gpu"])) == [
+        "gpu", "prefetch_per_forward"]
+    assert row_names(parse(["--budgets", "0", "--variants", "prefetch,gpu"])) == [
+        "gpu", "prefetch"]
     done = run_module("benchmarks.offload_budget", "--dry-run", "--staging", "0")
     assert done.returncode == 2 and "--staging: sizes in MiB, each above 0" in done.stderr
