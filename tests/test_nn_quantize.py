@@ -542,3 +542,44 @@ def test_a_dequantization_out_of_order_is_caught(skip):
     with pytest.raises(codegen.InternalError, match="staging order"), torch.no_grad():
         for _ in range(2):
             model(torch.randint(0, 97, (1, 100)))
+
+
+def test_a_dequantizer_launches_the_compiled_kernel_after_its_first_launch():
+    """After the JIT's first launch (which returns the kernel it compiled), a dequantizer
+    launches that kernel directly, as Triton's ``CompiledKernel[grid](*args)``: a grid of
+    three axes and every argument in order, the block size last; rows given unaligned go
+    through the JIT again. A stand-in for Triton records the launches."""
+    from codegen.nn.quantize import _launcher
+
+    launches = []
+
+    class Compiled:
+        def run(self):  # Triton's launcher: present on a compiled kernel
+            raise AssertionError("not called directly")
+
+        def __getitem__(self, grid):
+            assert len(grid) == 3, grid
+            return lambda *args: launches.append(("compiled", grid, args))
+
+    class Jit:
+        def __getitem__(self, grid):
+            def launch(*args, BLOCK):
+                launches.append(("jit", grid, (*args, BLOCK)))
+                return Compiled()
+            return launch
+
+    raw = torch.zeros(3, row_bytes("int4", 256, torch.bfloat16), dtype=torch.uint8)
+    run = _launcher(raw, "int4", 256, torch.bfloat16, Jit())
+    first = run()
+    assert first.shape == (3, 256) and first.dtype == torch.bfloat16
+    run()
+    rows = torch.empty(3 * 256 + 8, dtype=torch.bfloat16)
+    run(out=rows[8:].view(3, 256))  # 16 bytes in: aligned
+    run(out=rows[1:-7].view(3, 256))  # 2 bytes in: not
+    kinds = [k for k, _, _ in launches]
+    assert kinds == ["jit", "compiled", "compiled", "jit"], kinds
+    (_, jit_grid, jit_args), (_, grid, args) = launches[:2]
+    assert grid == (*jit_grid, 1) and jit_grid[0] == 3
+    assert len(args) == len(jit_args) and args[-1] == jit_args[-1]  # BLOCK, last
+    assert args[0] is jit_args[0] and args[3:] == jit_args[3:]  # raw; strides, sizes
+    assert launches[2][2][2].data_ptr() == rows[8:].data_ptr()

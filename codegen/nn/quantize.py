@@ -236,7 +236,7 @@ class _Launch:
                 kernel = self.launch(raw, scale, into, *rest, BLOCK=self.block)
                 if self.compiled is None and into.data_ptr() % 16 == 0 and hasattr(
                         kernel, "run") and hasattr(kernel, "__getitem__"):
-                    self.compiled = kernel[self.grid]
+                    self.compiled = kernel[(*self.grid, 1)]  # its launcher takes 3 axes
         return into.view(self.dtype)
 
 
