@@ -252,6 +252,56 @@ def test_quantized_linears_match_the_dequantized_reference_on_the_gpu(kind):
 
 
 @pytest.mark.parametrize("kind", ["fp8", "int4"])
+@pytest.mark.parametrize("calls", ["runtime", "torch"])
+def test_long_quantized_calls_dequantize_beside_their_gemms_on_the_gpu(kind, calls):
+    """Calls of more than MERGED_ROWS rows (three streams: copies, dequantization, GEMMs)
+    under a ring that wraps, mixed with one-row forwards, forwards back to back and no
+    host synchronization between them: each forward's logits are the dequantized
+    reference's (fp32, exact arithmetic up to summation order), with the streamer's CUDA
+    calls made on the runtime directly and through torch's wrappers."""
+    from codegen.nn.quantize import dequantize_reference
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    ref = helpers.tiny_llama(torch.float32, seed=4, hidden=128, intermediate=256,
+                             vocab=101, max_positions=256)
+    want = copy.deepcopy(ref)
+    for n, m in want.named_modules():
+        if isinstance(m, nn.Linear) and n != "lm_head":
+            m.weight.data = dequantize_reference(
+                *codegen.nn.quantize_weight(m.weight.data.cuda(), kind), torch.float32).cpu()
+    model = codegen.nn.offload(copy.deepcopy(ref), quantize=kind, staging="48KiB",
+                               copy_size="8KiB", filter=lambda n, m: n != "lm_head")
+    backend = model._codegen_offload.streamer.backend
+    if calls == "torch":
+        backend.runtime = None
+    want = want.cuda()
+    ids = [torch.randint(0, 101, (1, rows), device="cuda") for rows in (150, 1, 200, 200, 1, 90)]
+    with torch.no_grad():
+        got = [model(i, use_cache=False).logits for i in ids]
+        expect = [want(i, use_cache=False).logits for i in ids]
+    for g, e in zip(got, expect):
+        torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-4)
+    assert (backend.raw is not None) == (calls == "runtime")
+    r = codegen.nn.report(model)
+    assert r.unplanned_calls == 0 and len(r.plan.spans) > 15
+    assert model._codegen_offload.streamer.ahead is None
+
+
+def test_a_failed_runtime_call_leaves_no_error_for_torchs_next_launch():
+    """A raw CUDA call that fails raises with CUDA's message and clears the runtime's
+    last error, which torch checks after its own kernel launches."""
+    from codegen.nn import cudart
+
+    rt = cudart.runtime()
+    assert rt is not None
+    with pytest.raises(RuntimeError, match="cudaEventRecord failed"):
+        rt.record(0, 0)  # no such event
+    assert rt.lib.cudaGetLastError() == 0
+    x = torch.arange(4.0, device="cuda")
+    assert (x * 2).tolist() == [0.0, 2.0, 4.0, 6.0]
+
+
+@pytest.mark.parametrize("kind", ["fp8", "int4"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("features", [512, 4480])
 def test_the_dequantization_kernel_equals_torchs_ops_bit_for_bit(kind, dtype, features):

@@ -237,7 +237,8 @@ class _CudaBackend:
 class ForwardCopies:
     """What one forward's Linear calls read: copies (spans, or whole weights where a call
     ran unplanned) and their bytes, and the probes that time how long the caller's stream
-    waited for copies (pairs of timing events around each wait; GPU, eager only)."""
+    waited for copies (pairs of timing events around each wait; GPU, eager only; a long
+    call's quantized piece: for its copies and its dequantization)."""
 
     copies: int = 0
     bytes: int = 0
@@ -305,6 +306,7 @@ class Streamer:
         self.skip_before = 0  # frees recorded in laps before this one need no wait
         self.off_plan = False  # this forward left the plan: its other calls run unplanned
         self.observed: list[int] = []
+        self.long_calls: dict[int, bool] = {}  # call -> whether it last ran many rows
         # Views made once (each costs microseconds of host time a call): every span's
         # destination and source, every GEMM's weight (or its dequantizer) and bias in the
         # staging, by piece and by merged run of pieces (``_merged``).
@@ -465,8 +467,11 @@ class Streamer:
             return False  # another thread's forward runs the plan; this one runs unplanned
         self.backend.enter()
         stream = self.backend.current()
-        self._drop_ahead(stream)  # the last forward raised after queueing it
         capturing = self.backend.capturing()
+        if capturing:  # the capture begins on an idle GPU (torch.cuda.graph synchronizes)
+            self.ahead = None
+        else:
+            self._drop_ahead(stream)  # the last forward raised after queueing it
         versions = self._versions()
         restart = self._stale(me, versions)
         self.active = me
@@ -538,6 +543,7 @@ class Streamer:
         # Few rows (a decode step): one GEMM per merged run of pieces, for the host's sake
         # (the GEMMs are too short to gain from starting before the run's last copy).
         few = x.shape[0] <= MERGED_ROWS
+        self.long_calls[self.cursor] = not few
         groups = (self.merged_groups if few else self.piece_groups)[self.cursor]
         # Many rows of a quantized weight: its pieces dequantized beside the GEMMs.
         beside = lay.quant is not None and not few and not self.capturing
@@ -583,17 +589,28 @@ class Streamer:
         stream (ahead, while the call before ran, or now), then the next piece's (of this
         call or the next one) queued there, so that it runs under this piece's GEMM; the
         caller's stream waits for piece ``k``'s rows."""
-        if self.ahead is not None and self.ahead[0] == (self.lap, self.cursor, k):
-            _, w, event = self.ahead
+        try:
+            if self.ahead is not None and self.ahead[0] == (self.lap, self.cursor, k):
+                _, w, event = self.ahead
+                self.ahead = None
+            else:
+                self._drop_ahead(stream)
+                w, event = self._dequantize(self.cursor, k, stream, self.dequantized[0])
+            last = k + 1 == len(self.piece_groups[self.cursor])
+            c, j = (self.cursor + 1, 0) if last else (self.cursor, k + 1)
+            # Into the next call only where it last ran as many rows (a prefill's lm_head
+            # may run one: its pieces would be dequantized for nothing).
+            if self._copied_by_now(c, j) and (not last or self.long_calls.get(c, False)):
+                other = (self.dequantized[1] if event is self.dequantized[0]
+                         else self.dequantized[0])
+                self.ahead = ((self.lap, c, j), *self._dequantize(c, j, stream, other))
+        except BaseException:
+            # Queued dequantizations read ring bytes whose frees will not be recorded, into
+            # rows of the caller's stream's memory: both streams wait for them.
             self.ahead = None
-        else:
-            self._drop_ahead(stream)
-            w, event = self._dequantize(self.cursor, k, stream, self.dequantized[0])
-        c, j = ((self.cursor, k + 1) if k + 1 < len(self.piece_groups[self.cursor])
-                else (self.cursor + 1, 0))
-        if self._copied_by_now(c, j):
-            other = self.dequantized[1] if event is self.dequantized[0] else self.dequantized[0]
-            self.ahead = ((self.lap, c, j), *self._dequantize(c, j, stream, other))
+            self.backend.order(stream, self.backend.dequantize_stream)
+            self.backend.order(self.backend.copy_stream, self.backend.dequantize_stream)
+            raise
         self._wait(stream, (event,))  # its copies, then its dequantization
         return w
 
