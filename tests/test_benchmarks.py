@@ -25,7 +25,7 @@ REPO = Path(__file__).resolve().parent.parent
 PRODUCT = ("bench_matmul", "bench_layers", "bench_copy", "mlp_offload", "offload_llama",
            "offload_budget", "backward", "host_cost", "bench_overlap", "bench_build")
 PROBES = ("copy2d_probe", "copy_contention", "copy_trace", "small_gemm_probe", "backward_kernels",
-          "backward_streams")
+          "backward_streams", "host_reads", "copy_cost")
 
 
 def run_module(module: str, *args: str) -> subprocess.CompletedProcess:
@@ -807,3 +807,12 @@ def test_offload_budget_bounds_a_quantized_row_by_the_gpu_model_plus_its_dequant
         "gpu", "prefetch"]
     done = run_module("benchmarks.offload_budget", "--dry-run", "--staging", "0")
     assert done.returncode == 2 and "--staging: sizes in MiB, each above 0" in done.stderr
+
+
+def test_copy_cost_fit_recovers_a_fixed_cost_and_a_bandwidth():
+    from benchmarks.probes.copy_cost import fit
+
+    total = 512 << 20
+    points = [(n, total, n * 0.0042 + total / 54.3e6) for n in (4, 16, 64, 256, 1024, 8192)]
+    c, bw = fit(points)
+    assert abs(c - 0.0042) < 1e-9 and abs(bw - 54.3e6) < 1.0
