@@ -53,7 +53,7 @@ case " $BENCH " in *" matmul "*)
   timeout ${BENCH_S:-90} python3 -m benchmarks.bench_matmul --shapes bf16:8192,bf16:2048 --slices 1,4 --rounds ${BENCH_ROUNDS:-20} --no-plot --out $OUT/bm 2>&1 | tee $OUT/bench.log | tail -12;;
 esac
 case " $BENCH " in *" offload "*)
-  timeout ${OFFLOAD_LLAMA_S:-300} python3 -m benchmarks.offload_llama --rounds ${OFFLOAD_ROUNDS:-3} --tokens ${OFFLOAD_TOKENS:-512,4096,1} --generate ${OFFLOAD_GENERATE:-8} --variants ${OFFLOAD_VARIANTS:-codegen,prefetch,gpu,copy,codegen_fp8,copy_fp8,codegen_int4,copy_int4} --out $OUT 2>&1 | tee $OUT/offload_llama.log | grep -v "^set up" | tail -24
+  timeout ${OFFLOAD_LLAMA_S:-300} python3 -m benchmarks.offload_llama --rounds ${OFFLOAD_ROUNDS:-3} --tokens ${OFFLOAD_TOKENS:-512,4096,1} --generate ${OFFLOAD_GENERATE:-8} --variants ${OFFLOAD_VARIANTS:-codegen,prefetch,prefetch_per_forward,gpu,copy,codegen_fp8,copy_fp8,codegen_int4,copy_int4} --out $OUT 2>&1 | tee $OUT/offload_llama.log | grep -v "^set up" | tail -24
   timeout ${GAPS_S:-150} python3 -m benchmarks.probes.offload_copy_gaps --generate 8 --configs default 2>&1 | grep -v -i warn | tee $OUT/offload_gaps.log | head -60;;
 esac
 case " $BENCH " in *" budget "*)
