@@ -250,6 +250,7 @@ def accelerate_row(config: Any, percent: int) -> Built:
 # A row's name: what it runs, its budget, its format, its staging (MiB) where set.
 ROW = r"([a-z]+)_p([0-9]+)(?:_(fp8|int4))?(?:_s([0-9]+))?"
 PREFETCHES = ("prefetch", "prefetch_per_forward")  # LayerPrefetch rows: every weight streamed
+VARIANTS = ("codegen", "copy", "gpu", "accelerate", *PREFETCHES)  # what --variants names
 
 
 def make(name: str, config: Any, built: dict[str, Built]) -> Built:
@@ -371,6 +372,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     if any(mib <= 0 for mib in args.staging):
         parser.error("--staging: sizes in MiB, each above 0")
     args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    unknown = [v for v in args.variants if v not in VARIANTS]
+    if unknown:
+        parser.error(f"--variants: unknown {', '.join(unknown)}; choose from "
+                     f"{', '.join(VARIANTS)}")
     args.quantize = [q.strip() for q in args.quantize.split(",") if q.strip()]
     if any(q not in ("fp8", "int4") for q in args.quantize):
         parser.error("--quantize: fp8, int4 or both")

@@ -807,6 +807,8 @@ def test_offload_budget_bounds_a_quantized_row_by_the_gpu_model_plus_its_dequant
         "gpu", "prefetch"]
     done = run_module("benchmarks.offload_budget", "--dry-run", "--staging", "0")
     assert done.returncode == 2 and "--staging: sizes in MiB, each above 0" in done.stderr
+    done = run_module("benchmarks.offload_budget", "--dry-run", "--variants", "codegen,prefech")
+    assert done.returncode == 2 and "--variants: unknown prefech; choose from" in done.stderr
 
 
 def test_copy_cost_fit_recovers_a_fixed_cost_and_a_bandwidth():
