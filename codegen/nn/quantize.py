@@ -220,8 +220,7 @@ class _Launch:
         self.args = (raw, scale, raw.stride(0), scale.stride(0),
                      *((in_features,) if kind == "fp8" else (n, in_features)))
         self.device, self.shape = raw.device, (rows, in_features)
-        # Triton launches on the current device, made the rows' for the launch where it is
-        # not (CPU tensors: its interpreter, the tests).
+        # Triton launches on the current device (CPU tensors: its interpreter, the tests).
         self.index = raw.device.index if raw.device.type == "cuda" else None
         self.compiled: Any = None  # the compiled kernel's launcher at this grid
 
@@ -229,8 +228,8 @@ class _Launch:
         into = (torch.empty(self.shape, dtype=self.stored, device=self.device) if out is None
                 else out.view(self.stored))
         raw, scale, *rest = self.args
-        switch = self.index is not None and torch.cuda.current_device() != self.index
-        with torch.cuda.device(self.index) if switch else contextlib.nullcontext():
+        with (torch.cuda.device(self.index) if self.index is not None
+              else contextlib.nullcontext()):
             if self.compiled is not None and into.data_ptr() % 16 == 0:
                 self.compiled(raw, scale, into, *rest, self.block)
             else:
