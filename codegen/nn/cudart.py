@@ -62,8 +62,8 @@ class Runtime:
 def loaded_library(maps: str) -> str | None:
     """The path of the one ``libcudart.so`` mapped in a process whose ``/proc/self/maps``
     reads ``maps``; None where there is none, or more than one."""
-    paths = {line.split(None, 5)[-1].strip() for line in maps.splitlines()
-             if "/libcudart.so" in line and len(line.split(None, 5)) == 6}
+    fields = (line.split(None, 5) for line in maps.splitlines() if "/libcudart.so" in line)
+    paths = {f[5].strip() for f in fields if len(f) == 6}  # the sixth field: the path
     return paths.pop() if len(paths) == 1 else None
 
 

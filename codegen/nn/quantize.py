@@ -20,6 +20,7 @@ the scales it needs and a copy plan cuts quantized weights exactly as it cuts ot
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import threading
 from collections.abc import Callable
@@ -135,21 +136,15 @@ def unpack_rows(raw: torch.Tensor, kind: str, in_features: int,
 
 
 def dequantizer(raw: torch.Tensor, kind: str, in_features: int,
-                dtype: torch.dtype) -> Callable[..., torch.Tensor]:
-    """``unpack_rows`` of ``raw`` as a function that reads the rows as they are when it is
-    called, into a new tensor or into ``out=`` (``dtype`` [rows, in_features], contiguous),
-    which it returns: its views and launch arguments are made once (the streamer makes one
-    per GEMM piece and calls it every forward). On a GPU it is one Triton kernel
+                dtype: torch.dtype) -> Callable[[], torch.Tensor]:
+    """``unpack_rows`` of ``raw`` as a function of no arguments that reads the rows as they
+    are when it is called: its views and launch arguments are made once (the streamer
+    makes one per GEMM piece and calls it every forward). On a GPU it is one Triton kernel
     (:mod:`codegen.nn.kernels`); elsewhere, and where that kernel cannot be built, torch's
     elementwise ops (:func:`unpack_rows_eager`)."""
     if raw.is_cuda and raw.shape[0] and _kernel(kind, dtype, raw.device) is not None:
         return _launcher(raw, kind, in_features, dtype)
-
-    def eager(out: torch.Tensor | None = None) -> torch.Tensor:
-        w = unpack_rows_eager(raw, kind, in_features, dtype)
-        return w if out is None else out.copy_(w)
-
-    return eager
+    return functools.partial(unpack_rows_eager, raw, kind, in_features, dtype)
 
 
 _KERNELS: dict[Any, Any] = {}  # (kind, dtype) -> the Triton kernel, or None where it failed
@@ -193,17 +188,17 @@ def _launcher(raw: torch.Tensor, kind: str, in_features: int, dtype: torch.dtype
 
 class _Launch:
     """A dequantization kernel bound to raw arena rows, its grid and arguments made once;
-    each call allocates the weight rows (or takes ``out``), launches one kernel on the
-    current stream of the rows' device and returns them. bfloat16 rows are written as
-    int16 (the kernel rounds them itself).
+    each call allocates the weight rows, launches one kernel on the current stream of the
+    rows' device and returns them. bfloat16 rows are written as int16 (the kernel rounds
+    them itself).
 
     The first launch goes through Triton's JIT, which compiles (or finds) the kernel for
     its arguments' specialization (their alignment, and which integers are 1 or multiples
     of 16) and returns it; later launches call that compiled kernel directly
-    (``compiled``), skipping the JIT's binding of the arguments, half of a launch's host
-    time. Their arguments are specialized alike: the same rows, strides and sizes, and
-    rows written from torch's allocator (an ``out`` not aligned to 16 bytes goes through
-    the JIT). Triton's CPU interpreter (the tests) launches through the JIT each time."""
+    (``compiled``), skipping the JIT's binding of the arguments. Their arguments are
+    specialized alike: the same rows, strides and sizes, and new rows from torch's
+    allocator (aligned to 512 bytes). Triton's CPU interpreter (the tests) returns no
+    compiled kernel and launches through the JIT each time."""
 
     def __init__(self, raw: torch.Tensor, kind: str, in_features: int, dtype: torch.dtype,
                  kernel: Any) -> None:
@@ -224,20 +219,18 @@ class _Launch:
         self.index = raw.device.index if raw.device.type == "cuda" else None
         self.compiled: Any = None  # the compiled kernel's launcher at this grid
 
-    def __call__(self, out: torch.Tensor | None = None) -> torch.Tensor:
-        into = (torch.empty(self.shape, dtype=self.stored, device=self.device) if out is None
-                else out.view(self.stored))
+    def __call__(self) -> torch.Tensor:
+        out = torch.empty(self.shape, dtype=self.stored, device=self.device)
         raw, scale, *rest = self.args
         with (torch.cuda.device(self.index) if self.index is not None
               else contextlib.nullcontext()):
-            if self.compiled is not None and into.data_ptr() % 16 == 0:
-                self.compiled(raw, scale, into, *rest, self.block)
+            if self.compiled is not None:
+                self.compiled(raw, scale, out, *rest, self.block)
             else:
-                kernel = self.launch(raw, scale, into, *rest, BLOCK=self.block)
-                if self.compiled is None and into.data_ptr() % 16 == 0 and hasattr(
-                        kernel, "run") and hasattr(kernel, "__getitem__"):
+                kernel = self.launch(raw, scale, out, *rest, BLOCK=self.block)
+                if hasattr(kernel, "run") and hasattr(kernel, "__getitem__"):
                     self.compiled = kernel[(*self.grid, 1)]  # its launcher takes 3 axes
-        return into.view(self.dtype)
+        return out.view(self.dtype)
 
 
 def unpack_rows_eager(raw: torch.Tensor, kind: str, in_features: int,

@@ -60,7 +60,7 @@ class OrderCheck:
     overwrites."""
 
     def __init__(self) -> None:
-        self.clock: dict[str, dict[str, int]] = {"current": {}, "copy": {}, "dequantize": {}}
+        self.clock: dict[str, dict[str, int]] = {"current": {}, "copy": {}}
         # buffer -> list of (lo, hi, write stamp, reads since that write)
         self.regions: dict[str, list[tuple[int, int, tuple[str, int], list[tuple[str, int]]]]] = {}
 
@@ -119,7 +119,6 @@ class _HostBackend:
     def __init__(self) -> None:
         self.check = OrderCheck()
         self.copy_stream = "copy"
-        self.dequantize_stream = "dequantize"
 
     def enter(self) -> None:
         pass
@@ -142,9 +141,6 @@ class _HostBackend:
     def copying(self) -> contextlib.AbstractContextManager[None]:
         return contextlib.nullcontext()
 
-    def on(self, stream: str) -> contextlib.AbstractContextManager[None]:
-        return contextlib.nullcontext()
-
     def copy(self, dst: torch.Tensor, src: torch.Tensor, buffer: str, lo: int) -> None:
         self.check.access("copy", buffer, lo, lo + dst.numel(), write=True)
         dst.copy_(src)
@@ -164,7 +160,7 @@ class _CudaBackend:
         self.device = device
         self.index = device.index if device.index is not None else torch.cuda.current_device()
         self.copy_stream = torch.cuda.Stream(device)
-        self.dequantize_stream = torch.cuda.Stream(device)
+        self.copy_handle = self.copy_stream.cuda_stream
         self.runtime = cudart.runtime()
         self.raw: cudart.Runtime | None = None  # the runtime, while the calls go to it
         self.scratch = self.event()  # ``order``'s event in raw mode
@@ -218,14 +214,10 @@ class _CudaBackend:
             return contextlib.nullcontext()
         return torch.cuda.stream(self.copy_stream)
 
-    def on(self, stream: torch.cuda.Stream) -> contextlib.AbstractContextManager[None]:
-        """``stream`` current (torch's kernels and Triton's launch on the current stream)."""
-        return torch.cuda.stream(stream)
-
     def copy(self, dst: torch.Tensor, src: torch.Tensor, buffer: str, lo: int) -> None:
         """Bytes ``src`` (pinned host) into ``dst`` (device), on the copy stream."""
         if self.raw is not None:
-            self.raw.copy(dst.data_ptr(), src.data_ptr(), dst.numel(), self.copy_stream.cuda_stream)
+            self.raw.copy(dst.data_ptr(), src.data_ptr(), dst.numel(), self.copy_handle)
         else:
             dst.copy_(src, non_blocking=True)
 
@@ -237,8 +229,7 @@ class _CudaBackend:
 class ForwardCopies:
     """What one forward's Linear calls read: copies (spans, or whole weights where a call
     ran unplanned) and their bytes, and the probes that time how long the caller's stream
-    waited for copies (pairs of timing events around each wait; GPU, eager only; a long
-    call's quantized piece: for its copies and its dequantization)."""
+    waited for copies (pairs of timing events around each wait; GPU, eager only)."""
 
     copies: int = 0
     bytes: int = 0
@@ -283,11 +274,6 @@ class Streamer:
         self.forwards = 0
         self.probe_used = 0
         self.now: ForwardCopies | None = None
-        # A long call's quantized GEMM pieces: each dequantized on the dequantization
-        # stream while the GEMM before it runs (``_dequantized``); the next piece's rows,
-        # dequantized ahead: (lap, call, piece), its rows, its event (of the two, in turn).
-        self.dequantized = [self.backend.event(), self.backend.event()]
-        self.ahead: tuple[tuple[int, int, int], torch.Tensor, Any] | None = None
         self._set_plan(plan)
 
     # -------------------------------------------------------------------- the plan
@@ -296,8 +282,6 @@ class Streamer:
         self.plan = plan
         self.copied = [self.backend.event() for _ in range(n)]
         self.freed = [self.backend.event() for _ in range(n)]
-        for event in (*self.copied, *self.freed):  # created now, not first inside a capture
-            self.backend.record(event, self.backend.copy_stream)
         self.freed_lap = [-1] * n
         self.lap = 0  # the lap the next call reads
         self.cursor = 0  # the next call's position in the plan
@@ -306,7 +290,6 @@ class Streamer:
         self.skip_before = 0  # frees recorded in laps before this one need no wait
         self.off_plan = False  # this forward left the plan: its other calls run unplanned
         self.observed: list[int] = []
-        self.long_calls: dict[int, bool] = {}  # call -> whether it last ran many rows
         # Views made once (each costs microseconds of host time a call): every span's
         # destination and source, every GEMM's weight (or its dequantizer) and bias in the
         # staging, by piece and by merged run of pieces (``_merged``).
@@ -416,9 +399,9 @@ class Streamer:
             self.issued += 1
         return ready
 
-    def _await_copies(self, stream: Any, spans: Sequence[int], timed: bool = True) -> None:
-        """``stream`` waits for the copies of ``spans`` of this lap (queued first); the
-        caller's stream's wait is timed as one (``_wait``)."""
+    def _await_copies(self, stream: Any, spans: Sequence[int]) -> None:
+        """The caller's stream waits for the copies of ``spans`` of this lap (queued
+        first), timed as one wait."""
         n = len(self.plan.spans)
         waits = []
         for j in spans:
@@ -430,21 +413,16 @@ class Streamer:
                                     "copied before the call that reads it (a plan whose waits "
                                     "need a later reader; bug)")
             if index >= self.settled:
-                waits.append(self.copied[j])
-        self._wait(stream, waits, timed)
-
-    def _wait(self, stream: Any, events: Sequence[Any], timed: bool = True) -> None:
-        """``stream`` waits for ``events``; where ``timed`` (the caller's stream, eager, on
-        a GPU), between two timing events: the report's exposed copy time."""
-        if not events:
+                waits.append(j)
+        if not waits:
             return
-        probe = timed and self.probe_waits and self.now is not None and not self.capturing and (
-            isinstance(self.backend, _CudaBackend))
+        probe = self.probe_waits and self.now is not None and not self.capturing and isinstance(
+            self.backend, _CudaBackend)
         if probe:
             before = self._probe_event()
             self.backend.record(before, stream)
-        for event in events:
-            self.backend.wait(stream, event)
+        for j in waits:
+            self.backend.wait(stream, self.copied[j])
         if probe:
             after = self._probe_event()
             self.backend.record(after, stream)
@@ -468,10 +446,6 @@ class Streamer:
         self.backend.enter()
         stream = self.backend.current()
         capturing = self.backend.capturing()
-        if capturing:  # the capture begins on an idle GPU (torch.cuda.graph synchronizes)
-            self.ahead = None
-        else:
-            self._drop_ahead(stream)  # the last forward raised after queueing it
         versions = self._versions()
         restart = self._stale(me, versions)
         self.active = me
@@ -514,7 +488,6 @@ class Streamer:
             return None
         self.active = None
         stream = self.backend.current()
-        self._drop_ahead(stream)
         if not self.capturing and (self.off_plan or self.cursor != 0) and self.observed:
             self.relearn(self.observed)
         if self.capturing or self.graphs:
@@ -542,27 +515,19 @@ class Streamer:
             return None
         # Few rows (a decode step): one GEMM per merged run of pieces, for the host's sake
         # (the GEMMs are too short to gain from starting before the run's last copy).
-        few = x.shape[0] <= MERGED_ROWS
-        self.long_calls[self.cursor] = not few
-        groups = (self.merged_groups if few else self.piece_groups)[self.cursor]
-        # Many rows of a quantized weight: its pieces dequantized beside the GEMMs.
-        beside = lay.quant is not None and not few and not self.capturing
-        if self.ahead is not None and not (beside and self.ahead[0] == (self.lap, self.cursor, 0)):
-            self._drop_ahead(stream)
+        groups = (self.merged_groups if x.shape[0] <= MERGED_ROWS
+                  else self.piece_groups)[self.cursor]
         single = len(groups) == 1
         out = None if single else x.new_empty(x.shape[0], lay.out_features)
         if call.bias_span is not None:
             self._await_copies(stream, (call.bias_span,))
-        for k, (spans, w, b, lo, hi, b_lo, b_hi, r0, r1, frees) in enumerate(groups):
-            if beside:
-                w = self._dequantized(k, stream)
-            else:
-                self._await_copies(stream, spans)
-                self.backend.read(stream, "ring", lo, hi)
-                if lay.quant is not None:
-                    w = w()  # the rows dequantized (their dequantizer)
+        for spans, w, b, lo, hi, b_lo, b_hi, r0, r1, frees in groups:
+            self._await_copies(stream, spans)
+            self.backend.read(stream, "ring", lo, hi)
             if b is not None:
                 self.backend.read(stream, "biases", b_lo, b_hi)
+            if lay.quant is not None:
+                w = w()  # the rows dequantized (their dequantizer)
             if single:
                 out = F.linear(x, w, b)
             elif b is None:
@@ -583,75 +548,6 @@ class Streamer:
             self.now.planned_calls += 1
         self._advance()
         return out
-
-    def _dequantized(self, k: int, stream: Any) -> torch.Tensor:
-        """Piece ``k`` of this call's quantized weight, dequantized on the dequantization
-        stream (ahead, while the call before ran, or now), then the next piece's (of this
-        call or the next one) queued there, so that it runs under this piece's GEMM; the
-        caller's stream waits for piece ``k``'s rows."""
-        try:
-            if self.ahead is not None and self.ahead[0] == (self.lap, self.cursor, k):
-                _, w, event = self.ahead
-                self.ahead = None
-            else:
-                self._drop_ahead(stream)
-                w, event = self._dequantize(self.cursor, k, stream, self.dequantized[0])
-            last = k + 1 == len(self.piece_groups[self.cursor])
-            c, j = (self.cursor + 1, 0) if last else (self.cursor, k + 1)
-            # Into the next call only where it last ran as many rows (a prefill's lm_head
-            # may run one: its pieces would be dequantized for nothing).
-            if self._copied_by_now(c, j) and (not last or self.long_calls.get(c, False)):
-                other = (self.dequantized[1] if event is self.dequantized[0]
-                         else self.dequantized[0])
-                self.ahead = ((self.lap, c, j), *self._dequantize(c, j, stream, other))
-        except BaseException:
-            # Queued dequantizations read ring bytes whose frees will not be recorded, into
-            # rows of the caller's stream's memory: both streams wait for them.
-            self.ahead = None
-            self.backend.order(stream, self.backend.dequantize_stream)
-            self.backend.order(self.backend.copy_stream, self.backend.dequantize_stream)
-            raise
-        self._wait(stream, (event,))  # its copies, then its dequantization
-        return w
-
-    def _dequantize(self, c: int, k: int, stream: Any, event: Any) -> tuple[torch.Tensor, Any]:
-        """Queues the dequantization of call ``c``'s piece ``k`` (this lap) on the
-        dequantization stream, into rows allocated on the caller's ``stream`` (the stream
-        waits for it first: its memory's last readers there are queued before); records
-        ``event`` after it."""
-        call = self.plan.calls[c]
-        lay = self.plan.layouts[call.linear]
-        spans, dequantize, _, lo, hi, _, _, r0, r1, _ = self.piece_groups[c][k]
-        rows = torch.empty(r1 - r0, lay.in_features, dtype=lay.dtype, device=self.device)
-        side = self.backend.dequantize_stream
-        self.backend.record(event, stream)
-        self.backend.wait(side, event)
-        self._await_copies(side, spans, timed=False)
-        self.backend.read(side, "ring", lo, hi)
-        with self.backend.on(side):
-            dequantize(out=rows)
-        self.backend.record(event, side)
-        return rows, event
-
-    def _copied_by_now(self, c: int, k: int) -> bool:
-        """Whether call ``c``'s piece ``k`` (this lap) is quantized, read by this lap's plan
-        and its copies can be queued now (they may wait for frees not recorded yet)."""
-        if c >= len(self.plan.calls) or k >= len(self.piece_groups[c]):
-            return False
-        if self.plan.layouts[self.plan.calls[c].linear].quant is None:
-            return False
-        n = len(self.plan.spans)
-        last = self.lap * n + max(self.piece_groups[c][k][0])
-        if self.issued <= last:
-            self._pump()
-        return self.issued > last
-
-    def _drop_ahead(self, stream: Any) -> None:
-        """Forgets the rows dequantized ahead for a call that did not come as planned,
-        after ``stream`` waits for them (their memory is the caller's stream's)."""
-        if self.ahead is not None:
-            self.backend.wait(stream, self.ahead[2])
-            self.ahead = None
 
     def _advance(self) -> None:
         """The plan's next call; after the last one, the next lap's."""
