@@ -467,11 +467,51 @@ def build(config: Any, seed: int = 0, device: str | torch.device = "cuda") -> An
         return transformers.LlamaForCausalLM(config).to(torch.bfloat16).eval()
 
 
+def config_8b(layers: int = 32) -> Any:
+    """Llama-3-8B's shape (``layers`` decoder layers) of ``offload_budget`` and its probe."""
+    import transformers
+
+    return transformers.LlamaConfig(
+        vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+        num_hidden_layers=layers, num_attention_heads=32, num_key_value_heads=8,
+        max_position_embeddings=8192, rope_theta=500000.0, tie_word_embeddings=False)
+
+
+def build_bf16(config: Any, seed: int = 0, device: str | torch.device = "cuda") -> Any:
+    """``build``'s model made in bf16 from the start (no float32 copy: 8B parameters would
+    need 32 GB)."""
+    import transformers
+
+    torch.manual_seed(seed)
+    dtype = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device(device):
+            return transformers.LlamaForCausalLM(config).eval()
+    finally:
+        torch.set_default_dtype(dtype)
+
+
 def is_decoder_linear(name: str, module: torch.nn.Module) -> bool:
     """offload()'s filter: the Linears inside the decoder layers (not lm_head)."""
     return name.startswith("model.layers.")
 
 
+
+
+def offloadable(model: Any) -> list[tuple[str, torch.nn.Linear]]:
+    """The Linears ``is_decoder_linear`` offloads, with their names."""
+    return [(n, m) for n, m in model.named_modules()
+            if isinstance(m, torch.nn.Linear) and is_decoder_linear(n, m)]
+
+
+def budget_bytes(model: Any, percent: int) -> int:
+    """``percent`` of the offloadable bytes; for 0, the default staging alone."""
+    from codegen.nn.offload import _resident, default_staging
+
+    linears = [_resident(n, m) for n, m in offloadable(model)]
+    total = sum(lay.nbytes for lay in linears)
+    return max(total * percent // 100, default_staging(linears))
 
 
 def arena_copies(model: Any) -> Callable[[], None]:

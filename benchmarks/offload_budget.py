@@ -76,9 +76,13 @@ from benchmarks.common import (
     Block,
     arena_copies,
     bind,
+    budget_bytes,
+    build_bf16,
+    config_8b,
     generate_ms,
     is_decoder_linear,
     median_ratio,
+    offloadable,
     peak_mib,
     rotated,
 )
@@ -90,43 +94,6 @@ from codegen.nn.quantize import dequantizer
 SEED = 0
 DEFAULT_BUDGETS = (0, 25, 50, 75)
 ACCELERATE_BUDGETS = (25, 50)
-
-
-def config_8b(layers: int = 32) -> Any:
-    """Llama-3-8B's shape (``layers`` decoder layers)."""
-    import transformers
-
-    return transformers.LlamaConfig(
-        vocab_size=128256, hidden_size=4096, intermediate_size=14336,
-        num_hidden_layers=layers, num_attention_heads=32, num_key_value_heads=8,
-        max_position_embeddings=8192, rope_theta=500000.0, tie_word_embeddings=False)
-
-
-def build(config: Any, device: str = "cuda") -> Any:
-    """The model in bf16 with random weights from ``SEED``, made in bf16 on ``device`` (no
-    float32 copy: 8B parameters would need 32 GB)."""
-    import transformers
-
-    torch.manual_seed(SEED)
-    dtype = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)
-    try:
-        with torch.device(device):
-            return transformers.LlamaForCausalLM(config).eval()
-    finally:
-        torch.set_default_dtype(dtype)
-
-
-def offloadable(model: Any) -> list[tuple[str, torch.nn.Linear]]:
-    return [(n, m) for n, m in model.named_modules()
-            if isinstance(m, torch.nn.Linear) and is_decoder_linear(n, m)]
-
-
-def budget_bytes(model: Any, percent: int) -> int:
-    """``percent`` of the offloadable bytes; for 0, the default staging alone."""
-    linears = [_resident(n, m) for n, m in offloadable(model)]
-    total = sum(lay.nbytes for lay in linears)
-    return max(total * percent // 100, default_staging(linears))
 
 
 def rest_bytes(model: Any) -> int:
@@ -157,7 +124,7 @@ def codegen_row(config: Any, percent: int, quantize: str | None = None,
     Linears and the staging. With ``FROM_GPU``, from the GPU it was built on: the held
     bytes are the same, offload()'s peak is not measured (it holds the originals until
     it has succeeded)."""
-    model = build(config) if FROM_GPU else build(config).cpu()
+    model = build_bf16(config) if FROM_GPU else build_bf16(config).cpu()
     rest = rest_bytes(model)
     budget = budget_bytes(model, percent)
     gc.collect()
@@ -233,7 +200,7 @@ def dequant_row(source: Built) -> Built:
 def accelerate_row(config: Any, percent: int) -> Built:
     import accelerate
 
-    model = build(config)
+    model = build_bf16(config)
     budget = budget_bytes(model, percent) + rest_bytes(model)
     model.cpu()  # dispatch_model reads the weights it offloads from host memory
     gc.collect()
@@ -255,9 +222,9 @@ VARIANTS = ("codegen", "copy", "gpu", "accelerate", *PREFETCHES)  # what --varia
 
 def make(name: str, config: Any, built: dict[str, Built]) -> Built:
     if name == "gpu":
-        return Built(name, build(config))
+        return Built(name, build_bf16(config))
     if name in PREFETCHES:
-        model = build(config)
+        model = build_bf16(config)
         return Built(name, model, keep=LayerPrefetch(model, wrap=name == "prefetch"))
     found = re.fullmatch(ROW, name)
     kind, percent, quantize, staging = found.groups() if found else (None,) * 4
@@ -412,7 +379,7 @@ def row_names(args: argparse.Namespace) -> list[str]:
 def dry_run(args: argparse.Namespace) -> int:
     """Each budget's placement, from the model on the meta device."""
     config = config_8b(args.layers)
-    model = build(config, device="meta")
+    model = build_bf16(config, device="meta")
     linears = [_resident(n, m) for n, m in offloadable(model)]
     total = sum(lay.nbytes for lay in linears)
     print(f"offloadable: {len(linears)} Linears, {format_bytes(total)}; rest of the model "

@@ -25,7 +25,7 @@ REPO = Path(__file__).resolve().parent.parent
 PRODUCT = ("bench_matmul", "bench_layers", "bench_copy", "mlp_offload", "offload_llama",
            "offload_budget", "backward", "host_cost", "bench_overlap", "bench_build")
 PROBES = ("copy2d_probe", "copy_contention", "copy_trace", "small_gemm_probe", "backward_kernels",
-          "backward_streams", "host_reads", "copy_cost")
+          "backward_streams", "host_reads", "copy_cost", "budget_trace")
 
 
 def run_module(module: str, *args: str) -> subprocess.CompletedProcess:

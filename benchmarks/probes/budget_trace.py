@@ -1,0 +1,156 @@
+"""Where do the copy engine and the compute stream wait in a long prefill of the
+8B-shaped model under a GPU budget?
+
+For each ``--configs`` entry (``p<percent>`` of the offloadable bytes as ``gpu_budget``,
+then optionally ``_fp8`` / ``_int4`` and ``_s<MiB>`` of staging, as ``offload_budget``
+names its rows) the model is offloaded and three prefills of ``--tokens`` run back to
+back under the profiler. A marker kernel on the compute stream opens each forward and
+another its tail (the final norm and lm_head), and the attention kernels count the decoder
+layers, so every idle stretch of either engine is placed: before layer 0 (head), in the
+layers, or in the tail. Printed per config: the forward's GPU time untraced and the
+report's copy floor; then, for the middle traced forward, each engine's busy and idle
+time by part, and the longest idle stretches with the layer they fell in.
+
+    python -m benchmarks.probes.budget_trace [--layers 32] [--tokens 4096]
+                                             [--configs p50,p0_fp8,p25]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import re
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+import codegen.nn
+from benchmarks.common import budget_bytes, build_bf16, config_8b, is_decoder_linear
+
+MARK_CYCLES = 1000  # the marker kernel's spin: about a microsecond
+IDLE_US = 3.0  # gaps shorter than this are launch spacing, not waiting
+
+
+def offloaded(config: str, layers: int) -> torch.nn.Module:
+    """The 8B-shaped model (``layers`` decoder layers) offloaded as ``config`` names it."""
+    match = re.fullmatch(r"p(\d+)(?:_(fp8|int4))?(?:_s(\d+))?", config)
+    if not match:
+        raise SystemExit(f"budget_trace: config {config!r} is not p<percent>[_fp8|_int4]"
+                         "[_s<MiB>]")
+    percent, quantize, staging = int(match[1]), match[2], match[3]
+    model = build_bf16(config_8b(layers))
+    budget = budget_bytes(model, percent)
+    staging_bytes = int(staging) * 2**20 if staging else None
+    if staging_bytes and not percent:
+        budget = None
+    return codegen.nn.offload(model, filter=is_decoder_linear, gpu_budget=budget,
+                              quantize=quantize, staging=staging_bytes)
+
+
+def mark() -> None:
+    torch.cuda._sleep(MARK_CYCLES)
+
+
+def idle(events: list, start: float, end: float) -> list[tuple[float, float]]:
+    """The stretches of [start, end) in which none of ``events`` (sorted by start) ran."""
+    out, at = [], start
+    for e in events:
+        s, t = e.time_range.start, e.time_range.end
+        if t <= at or s >= end:
+            continue
+        if s - at > IDLE_US:
+            out.append((at, s))
+        at = max(at, t)
+    if end - at > IDLE_US:
+        out.append((at, end))
+    return out
+
+
+def part(t: float, tail: float, attention: list[float]) -> str:
+    """Where time ``t`` falls in a forward whose tail starts at ``tail`` and whose
+    attention kernels start at ``attention``."""
+    if t >= tail:
+        return "tail"
+    layer = sum(a <= t for a in attention) - 1
+    return "head" if layer < 0 else f"layer {layer}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.probes.budget_trace")
+    parser.add_argument("--layers", type=int, default=32)
+    parser.add_argument("--tokens", type=int, default=4096)
+    parser.add_argument("--configs", default="p50,p0_fp8,p25")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("budget_trace needs a CUDA GPU")
+    ids = torch.randint(0, 32000, (1, args.tokens), device="cuda")
+    for config in args.configs.split(","):
+        model = offloaded(config, args.layers)
+        hooks = [model.register_forward_pre_hook(lambda *a: mark()),
+                 model.model.norm.register_forward_pre_hook(lambda *a: mark())]
+        with torch.no_grad():
+            for _ in range(2):
+                model(ids, use_cache=False)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(
+                enable_timing=True)
+            start.record()
+            for _ in range(3):
+                model(ids, use_cache=False)
+            end.record()
+            torch.cuda.synchronize()
+            forward_ms = start.elapsed_time(end) / 3
+            report = codegen.nn.report(model)
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(3):
+                    model(ids, use_cache=False)
+                torch.cuda.synchronize()
+        for h in hooks:
+            h.remove()
+        plan = codegen.nn.offload_plan(model)
+        print(f"{config}, {args.tokens} tokens: forward {forward_ms:.2f} ms untraced, copy "
+              f"floor {report.copy_floor_ms:.2f} ms ({forward_ms / report.copy_floor_ms:.3f}x);"
+              f" resident {plan.resident_bytes / 2**20:.0f} MiB, streamed "
+              f"{plan.streamed_bytes / 2**20:.0f} MiB, staging "
+              f"{plan.staging_bytes / 2**20:.0f} MiB")
+        events = sorted((e for e in prof.events() if e.device_type.name == "CUDA"),
+                        key=lambda e: e.time_range.start)
+        copies = [e for e in events if "HtoD" in e.name]
+        kernels = [e for e in events if "Memcpy" not in e.name and "Memset" not in e.name]
+        marks = [e.time_range.start for e in kernels if "sleep" in e.name.lower()
+                 or "spin" in e.name.lower()]
+        if len(marks) < 6:
+            print(f"  {len(marks)} marker kernels found, expected 6: no breakdown")
+            continue
+        # The middle forward: from its opening marker to the next forward's.
+        begin, tail, finish = marks[2], marks[3], marks[4]
+        attention = [e.time_range.start for e in kernels if "sdpa" in e.name.lower()
+                     or "flash" in e.name.lower() or "attention" in e.name.lower()]
+        attention = [t for t in attention if begin <= t < tail]
+
+        streams: dict[int, int] = {}
+        for e in kernels:
+            streams[e.thread] = streams.get(e.thread, 0) + 1
+        compute = max(streams, key=streams.get)  # type: ignore[arg-type]
+        engines = {"copy engine": copies,
+                   "compute stream": [e for e in kernels if e.thread == compute]}
+        print(f"  traced middle forward: {(finish - begin) / 1e3:.2f} ms, "
+              f"{len(attention)} attention kernels")
+        for name, evs in engines.items():
+            gaps = idle(evs, begin, finish)
+            by = {"head": 0.0, "layers": 0.0, "tail": 0.0}
+            for a, b in gaps:
+                where = part(a, tail, attention)
+                by["layers" if where.startswith("layer") else where] += (b - a) / 1e3
+            busy = (finish - begin) / 1e3 - sum(by.values())
+            print(f"  {name}: busy {busy:.2f} ms, idle " + ", ".join(
+                f"{k} {v:.2f}" for k, v in by.items()) + " ms")
+            for a, b in sorted(gaps, key=lambda g: g[0] - g[1])[:6]:
+                after = next((e.name[:48] for e in kernels if e.time_range.start >= b), "")
+                print(f"    {b - a:7.0f} µs idle in {part(a, tail, attention)}, then {after}")
+        del model, prof
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
