@@ -45,10 +45,28 @@ def test_the_placement_holds_the_budget_and_spreads_the_resident_bytes(share):
     assert used + ring <= budget
     # Nothing left out that would still fit (the placement fills the budget)...
     assert budget - ring - used < lins[0].weight_bytes
-    # ... and spread: each quarter of the forward keeps about a quarter of the residents.
+    # ... the forward's ends streamed (the three Linears a full ring holds at its start,
+    # and the last) unless every other Linear is resident...
+    middle = range(3, 39)
+    if not set(middle) <= kept:
+        assert not kept & {0, 1, 2, 39}, sorted(kept)
+    # ... and the rest spread: each quarter of the middle keeps about a quarter of them.
+    in_middle = len(kept & set(middle))
     for q in range(4):
-        in_quarter = sum(1 for i in kept if q * 10 <= i < (q + 1) * 10)
-        assert abs(in_quarter - len(kept) / 4) <= 1.5, (q, sorted(kept))
+        in_quarter = sum(1 for i in kept if 3 + q * 9 <= i < 3 + (q + 1) * 9)
+        assert abs(in_quarter - in_middle / 4) <= 1.5, (q, sorted(kept))
+
+
+def test_the_forwards_ends_are_resident_only_where_everything_else_is():
+    """The ends (here Linear 0, which a ring of a few rows holds, and Linear 9) are the
+    last choice, not barred: a budget with room for nine Linears beside the ring keeps
+    the eight between the ends and one end; with room for eight, the eight between."""
+    lins = linears(10)
+    each, ring = lins[0].weight_bytes, 512
+    kept, got = place(lins, 9 * each + ring, None, ring)
+    assert got == ring and kept == set(range(9))
+    kept, got = place(lins, 8 * each + ring, None, ring)
+    assert got == ring and kept == set(range(1, 9))
 
 
 def test_linears_of_different_sizes_are_placed_within_the_budget_as_allocated():

@@ -8,8 +8,9 @@ back under the profiler. A marker kernel on the compute stream opens each forwar
 another its tail (the final norm and lm_head), and the attention kernels count the decoder
 layers, so every idle stretch of either engine is placed: before layer 0 (head), in the
 layers, or in the tail. Printed per config: the forward's GPU time untraced and the
-report's copy floor; then, for the middle traced forward, each engine's busy and idle
-time by part, and the longest idle stretches with the layer they fell in.
+report's copy floor, and the host's time per forward (three queued back to back: near
+the GPU's time where the host bounds them); then, for the middle traced forward, each
+engine's busy and idle time by part, and the longest idle stretches with the layer they fell in.
 
     python -m benchmarks.probes.budget_trace [--layers 32] [--tokens 4096]
                                              [--configs p50,p0_fp8,p25]
@@ -20,6 +21,7 @@ from __future__ import annotations
 import argparse
 import gc
 import re
+import time
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -94,8 +96,10 @@ def main() -> None:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(
                 enable_timing=True)
             start.record()
+            host = time.perf_counter()
             for _ in range(3):
                 model(ids, use_cache=False)
+            host_ms = (time.perf_counter() - host) * 1e3 / 3
             end.record()
             torch.cuda.synchronize()
             forward_ms = start.elapsed_time(end) / 3
@@ -109,7 +113,8 @@ def main() -> None:
         plan = codegen.nn.offload_plan(model)
         print(f"{config}, {args.tokens} tokens: forward {forward_ms:.2f} ms untraced, copy "
               f"floor {report.copy_floor_ms:.2f} ms ({forward_ms / report.copy_floor_ms:.3f}x);"
-              f" resident {plan.resident_bytes / 2**20:.0f} MiB, streamed "
+              f" host {host_ms:.2f} ms a forward; resident {plan.resident_bytes / 2**20:.0f} MiB, "
+              f"streamed "
               f"{plan.streamed_bytes / 2**20:.0f} MiB, staging "
               f"{plan.staging_bytes / 2**20:.0f} MiB")
         events = sorted((e for e in prof.events() if e.device_type.name == "CUDA"),

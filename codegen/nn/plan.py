@@ -527,9 +527,14 @@ def place(linears: list[Resident] | tuple[Resident, ...], budget: int, staging: 
     even intervals of the forward's bytes (error diffusion, Linear by Linear), so every
     stretch of the forward streams about the same share of its bytes, and the copy engine
     keeps running under the GEMMs of the resident Linears between the streamed ones
-    (what a long prefill needs). A budget that holds every Linear keeps them all, with no
-    staging; one below ``least_staging`` is refused with that minimum, and so is a
-    ``staging`` below the least ring or beyond what the budget holds."""
+    (what a long prefill needs). The forward's ends stay streamed where the budget
+    allows (they are kept only where every other Linear that fits already is): its
+    lead-in, the Linears that a full ring holds at its start, and its last Linear. Between
+    the forward's last streamed read and the next forward's first, the copy engine can
+    only fill the ring; a resident Linear at either end lengthens that stretch. A budget
+    that holds every Linear keeps them all, with no staging; one below ``least_staging``
+    is refused with that minimum, and so is a ``staging`` below the least ring or beyond
+    what the budget holds."""
     cost = [_resident_cost(lay) for lay in linears]
     if budget >= sum(cost):
         return frozenset(range(len(linears))), 0
@@ -558,17 +563,33 @@ def place(linears: list[Resident] | tuple[Resident, ...], budget: int, staging: 
     else:
         ring = staging
     capacity = budget - _allocated(ring) - biases
-    share = capacity / max(sum(cost), 1)
+    ends = {*range(_lead_in(linears, ring)), len(cost) - 1}
+    middle = [i for i in range(len(cost)) if i not in ends]
+    share = capacity / max(sum(cost[i] for i in middle), 1)
     kept: set[int] = set()
     used, credit = 0, 0.0
-    for i, c in enumerate(cost):
-        credit += share * c
-        if credit >= c and used + c <= capacity:
+    for i in middle:
+        credit += share * cost[i]
+        if credit >= cost[i] and used + cost[i] <= capacity:
             kept.add(i)
-            used += c
-            credit -= c
-    for i, c in enumerate(cost):  # what the rounding left: the first that still fit
-        if i not in kept and used + c <= capacity:
+            used += cost[i]
+            credit -= cost[i]
+    # What the rounding left: the first that still fit, the forward's ends last.
+    for i in [*middle, *sorted(ends)]:
+        if i not in kept and used + cost[i] <= capacity:
             kept.add(i)
-            used += c
+            used += cost[i]
     return frozenset(kept), ring
+
+
+def _lead_in(linears: list[Resident] | tuple[Resident, ...], ring: int) -> int:
+    """How many of ``linears`` (in forward order) a full ring holds: those whose weights
+    start within its first ``ring`` bytes. A forward begins with the ring full of them (the
+    last forward queued their copies), and the copy engine waits until the first of them
+    has been read; a resident Linear before them only lengthens that wait."""
+    at = 0
+    for i, lay in enumerate(linears):
+        if at >= ring:
+            return i
+        at += lay.streamed_weight_bytes
+    return len(linears)
