@@ -11,8 +11,7 @@ layers, or in the tail. Printed per config: the forward's GPU time untraced and 
 report's copy floor, and the host's time per forward (three queued back to back: near
 the GPU's time where the host bounds them); then, for the middle traced forward, each
 engine's busy and idle time by part, and the longest idle stretches with the layer they
-fell in. A quantized config also times its forward with each call's pieces merged (the
-default) against one GEMM per piece, interleaved.
+fell in.
 
     python -m benchmarks.probes.budget_trace [--layers 32] [--tokens 4096]
                                              [--configs p50,p0_fp8,p25]
@@ -79,33 +78,6 @@ def part(t: float, tail: float, attention: list[float]) -> str:
     return "head" if layer < 0 else f"layer {layer}"
 
 
-def merged_or_not(model: torch.nn.Module, ids: torch.Tensor, rounds: int = 4) -> str:
-    """A quantized model's forward with each call's pieces merged into runs (the default)
-    and one GEMM and dequantization per piece, interleaved: ``rounds`` rounds, each
-    timing two forwards of either way in turn (the first way alternating by round); the
-    median ms of each, and the streamer left as it was."""
-    streamer = model._codegen_offload.streamer
-    times: dict[bool, list[float]] = {True: [], False: []}
-    try:
-        for r in range(rounds):
-            for merge in ((True, False) if r % 2 == 0 else (False, True)):
-                streamer.merge_quantized = merge
-                model(ids, use_cache=False)  # the way's first forward, untimed
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(
-                    enable_timing=True)
-                start.record()
-                for _ in range(2):
-                    model(ids, use_cache=False)
-                end.record()
-                end.synchronize()
-                times[merge].append(start.elapsed_time(end) / 2)
-    finally:
-        streamer.merge_quantized = True
-    merged, pieces = (sorted(times[k])[rounds // 2] for k in (True, False))
-    return (f"  interleaved, {rounds} rounds: merged runs {merged:.2f} ms, a GEMM per piece "
-            f"{pieces:.2f} ms ({merged / pieces:.3f}x)")
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.probes.budget_trace")
     parser.add_argument("--layers", type=int, default=32)
@@ -137,8 +109,6 @@ def main() -> None:
                 for _ in range(3):
                     model(ids, use_cache=False)
                 torch.cuda.synchronize()
-            quantized = "_fp8" in config or "_int4" in config
-            ab = merged_or_not(model, ids) if quantized else ""
         for h in hooks:
             h.remove()
         plan = codegen.nn.offload_plan(model)
@@ -148,8 +118,6 @@ def main() -> None:
               f"streamed "
               f"{plan.streamed_bytes / 2**20:.0f} MiB, staging "
               f"{plan.staging_bytes / 2**20:.0f} MiB")
-        if ab:
-            print(ab)
         events = sorted((e for e in prof.events() if e.device_type.name == "CUDA"),
                         key=lambda e: e.time_range.start)
         copies = [e for e in events if "HtoD" in e.name]

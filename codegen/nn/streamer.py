@@ -49,8 +49,7 @@ from .plan import StreamPlan, plan_stream
 from .quantize import dequantizer, unpack_rows
 
 # A call whose input has at most this many rows (a decode step, a small batch) runs its
-# pieces merged (``Streamer._merged``): fewer GEMMs and waits to queue. So does every call
-# on a quantized weight (``Streamer.merge_quantized``).
+# pieces merged (``Streamer._merged``): fewer GEMMs and waits to queue.
 MERGED_ROWS = 64
 
 
@@ -271,13 +270,6 @@ class Streamer:
         self.capturing = False
         self.versions = self._versions()
         self.probe_sets: list[list[Any]] = [[], []]
-        # Calls on quantized weights run their pieces merged at any row count: one
-        # dequantization and one GEMM per run of pieces back to back in the ring, not one
-        # per piece. Their long forwards are bound by the GEMMs (the copies move a half or
-        # a quarter of the bf16 bytes, and run ahead), so waiting for a run's last copy
-        # costs little, while a piece cut at a span's edge makes a GEMM narrower than its
-        # weight's and two more kernels to launch.
-        self.merge_quantized = True
         self.probe_waits = True  # time each wait for a copy (the report's exposed_copy_ms)
         self.forwards = 0
         self.probe_used = 0
@@ -522,10 +514,9 @@ class Streamer:
             self._advance()
             return None
         # Few rows (a decode step): one GEMM per merged run of pieces, for the host's sake
-        # (the GEMMs are too short to gain from starting before the run's last copy); a
-        # quantized weight: at any row count (``merge_quantized``).
-        merged = x.shape[0] <= MERGED_ROWS or (lay.quant is not None and self.merge_quantized)
-        groups = (self.merged_groups if merged else self.piece_groups)[self.cursor]
+        # (the GEMMs are too short to gain from starting before the run's last copy).
+        groups = (self.merged_groups if x.shape[0] <= MERGED_ROWS
+                  else self.piece_groups)[self.cursor]
         single = len(groups) == 1
         out = None if single else x.new_empty(x.shape[0], lay.out_features)
         if call.bias_span is not None:
