@@ -8,8 +8,9 @@ back under the profiler. A marker kernel on the compute stream opens each forwar
 another its tail (the final norm and lm_head), and the attention kernels count the decoder
 layers, so every idle stretch of either engine is placed: before layer 0 (head), in the
 layers, or in the tail. Printed per config: the forward's GPU time untraced and the
-report's copy floor, and the host's time per forward (three queued back to back: near
-the GPU's time where the host bounds them); then, for the middle traced forward, each
+report's copy floor, and the host's time per forward (three queued back to back: the
+GPU's time where something in a forward waits for the GPU, as it did on an H100 with
+transformers 5); then, for the middle traced forward, each
 engine's busy and idle time by part, and the longest idle stretches with the layer they
 fell in.
 
