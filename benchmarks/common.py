@@ -457,29 +457,10 @@ def llama_config() -> Any:
 
 
 def build(config: Any, seed: int = 0, device: str | torch.device = "cuda") -> Any:
-    """A bf16 LlamaForCausalLM with random weights from ``seed``, in eval mode, built on
-    ``device`` (on the GPU initialization takes a moment, on the CPU tens of seconds;
-    the same seed gives the same weights on the same device)."""
-    import transformers
-
-    torch.manual_seed(seed)
-    with torch.device(device):
-        return transformers.LlamaForCausalLM(config).to(torch.bfloat16).eval()
-
-
-def config_8b(layers: int = 32) -> Any:
-    """Llama-3-8B's shape (``layers`` decoder layers) of ``offload_budget`` and its probe."""
-    import transformers
-
-    return transformers.LlamaConfig(
-        vocab_size=128256, hidden_size=4096, intermediate_size=14336,
-        num_hidden_layers=layers, num_attention_heads=32, num_key_value_heads=8,
-        max_position_embeddings=8192, rope_theta=500000.0, tie_word_embeddings=False)
-
-
-def build_bf16(config: Any, seed: int = 0, device: str | torch.device = "cuda") -> Any:
-    """``build``'s model made in bf16 from the start (no float32 copy: 8B parameters would
-    need 32 GB)."""
+    """A bf16 LlamaForCausalLM with random weights from ``seed``, in eval mode, made in bf16
+    on ``device`` from the start (no float32 copy: an 8B model's would need 32 GB; on the
+    GPU initialization takes a moment, on the CPU tens of seconds; the same seed gives the
+    same weights on the same device)."""
     import transformers
 
     torch.manual_seed(seed)
@@ -490,6 +471,16 @@ def build_bf16(config: Any, seed: int = 0, device: str | torch.device = "cuda") 
             return transformers.LlamaForCausalLM(config).eval()
     finally:
         torch.set_default_dtype(dtype)
+
+
+def config_8b(layers: int = 32) -> Any:
+    """Llama-3-8B's shape (``layers`` decoder layers) of ``offload_budget`` and its probe."""
+    import transformers
+
+    return transformers.LlamaConfig(
+        vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+        num_hidden_layers=layers, num_attention_heads=32, num_key_value_heads=8,
+        max_position_embeddings=8192, rope_theta=500000.0, tie_word_embeddings=False)
 
 
 def is_decoder_linear(name: str, module: torch.nn.Module) -> bool:
@@ -503,6 +494,18 @@ def offloadable(model: Any) -> list[tuple[str, torch.nn.Linear]]:
     """The Linears ``is_decoder_linear`` offloads, with their names."""
     return [(n, m) for n, m in model.named_modules()
             if isinstance(m, torch.nn.Linear) and is_decoder_linear(n, m)]
+
+
+# A budget row's name: what it runs, its budget (percent), its format, its staging (MiB).
+ROW = r"([a-z]+)_p([0-9]+)(?:_(fp8|int4))?(?:_s([0-9]+))?"
+
+
+def budget_and_staging(model: Any, percent: int,
+                       staging_mib: int | None) -> tuple[int | None, int | None]:
+    """``offload()``'s ``gpu_budget`` and ``staging`` for a row of ``percent`` and
+    ``staging_mib``: 0% with a staging of its own is no budget (every weight streamed)."""
+    staging = staging_mib * 2**20 if staging_mib else None
+    return (None if staging and not percent else budget_bytes(model, percent)), staging
 
 
 def budget_bytes(model: Any, percent: int) -> int:

@@ -73,11 +73,13 @@ import torch
 import codegen.nn
 from benchmarks.common import (
     RESULTS,
+    ROW,
     Block,
     arena_copies,
     bind,
+    budget_and_staging,
     budget_bytes,
-    build_bf16,
+    build,
     config_8b,
     generate_ms,
     is_decoder_linear,
@@ -124,9 +126,9 @@ def codegen_row(config: Any, percent: int, quantize: str | None = None,
     Linears and the staging. With ``FROM_GPU``, from the GPU it was built on: the held
     bytes are the same, offload()'s peak is not measured (it holds the originals until
     it has succeeded)."""
-    model = build_bf16(config) if FROM_GPU else build_bf16(config).cpu()
+    model = build(config) if FROM_GPU else build(config).cpu()
     rest = rest_bytes(model)
-    budget = budget_bytes(model, percent)
+    budget, staging = budget_and_staging(model, percent, staging_mib)
     gc.collect()
     torch.cuda.synchronize()
     weights = sum(t.numel() * t.element_size() for _, m in offloadable(model)
@@ -136,9 +138,6 @@ def codegen_row(config: Any, percent: int, quantize: str | None = None,
             else torch.cuda.memory_allocated() + rest)
     torch.cuda.reset_peak_memory_stats()
     started = time.perf_counter()
-    staging = None if staging_mib is None else staging_mib * 2**20
-    if staging and not percent:  # 0% and a staging of its own: no budget, all streamed
-        budget = None
     codegen.nn.offload(model, filter=is_decoder_linear, gpu_budget=budget, quantize=quantize,
                        staging=staging)
     offload_s = time.perf_counter() - started
@@ -200,7 +199,7 @@ def dequant_row(source: Built) -> Built:
 def accelerate_row(config: Any, percent: int) -> Built:
     import accelerate
 
-    model = build_bf16(config)
+    model = build(config)
     budget = budget_bytes(model, percent) + rest_bytes(model)
     model.cpu()  # dispatch_model reads the weights it offloads from host memory
     gc.collect()
@@ -214,17 +213,15 @@ def accelerate_row(config: Any, percent: int) -> Built:
                  modules_on_cpu=len(device_map) - on_gpu)
 
 
-# A row's name: what it runs, its budget, its format, its staging (MiB) where set.
-ROW = r"([a-z]+)_p([0-9]+)(?:_(fp8|int4))?(?:_s([0-9]+))?"
 PREFETCHES = ("prefetch", "prefetch_per_forward")  # LayerPrefetch rows: every weight streamed
 VARIANTS = ("codegen", "copy", "gpu", "accelerate", *PREFETCHES)  # what --variants names
 
 
 def make(name: str, config: Any, built: dict[str, Built]) -> Built:
     if name == "gpu":
-        return Built(name, build_bf16(config))
+        return Built(name, build(config))
     if name in PREFETCHES:
-        model = build_bf16(config)
+        model = build(config)
         return Built(name, model, keep=LayerPrefetch(model, wrap=name == "prefetch"))
     found = re.fullmatch(ROW, name)
     kind, percent, quantize, staging = found.groups() if found else (None,) * 4
@@ -379,7 +376,7 @@ def row_names(args: argparse.Namespace) -> list[str]:
 def dry_run(args: argparse.Namespace) -> int:
     """Each budget's placement, from the model on the meta device."""
     config = config_8b(args.layers)
-    model = build_bf16(config, device="meta")
+    model = build(config, device="meta")
     linears = [_resident(n, m) for n, m in offloadable(model)]
     total = sum(lay.nbytes for lay in linears)
     print(f"offloadable: {len(linears)} Linears, {format_bytes(total)}; rest of the model "

@@ -740,7 +740,7 @@ def test_offload_llama_builds_each_prefetch(monkeypatch):
     from benchmarks import offload_llama as ol
 
     monkeypatch.setattr(ol, "build", lambda config: tiny_llama())
-    monkeypatch.setattr(ob, "build_bf16", lambda config: tiny_llama())
+    monkeypatch.setattr(ob, "build", lambda config: tiny_llama())
     for name, wrap in (("prefetch", True), ("prefetch_per_forward", False)):
         v = ol.make(name, None, [], {})
         assert isinstance(v.keep, ol.LayerPrefetch) and v.keep.schedule.wrap is wrap

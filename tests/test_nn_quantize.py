@@ -472,7 +472,8 @@ def test_long_and_short_calls_on_quantized_weights_match_the_reference(kind, sta
                                                                       copy_size):
     """Calls of more than MERGED_ROWS rows (a GEMM and a dequantization per piece) and of
     one row (per merged run), mixed across forwards under rings that wrap: the logits are
-    the dequantized reference's, every read of the ring checked against its copy."""
+    the dequantized reference's, every read of the ring checked against its copy, and
+    each forward dequantizes every group of the way its calls run once, in plan order."""
     from codegen.nn.streamer import MERGED_ROWS
 
     ref = tiny_llama(dtype=torch.bfloat16, seed=8, hidden=128, intermediate=256,
@@ -483,12 +484,29 @@ def test_long_and_short_calls_on_quantized_weights_match_the_reference(kind, sta
                                filter=lambda n, m: n != "lm_head")
     s = model._codegen_offload.streamer
     assert staging is None or len(s.plan.spans) > 2 * len(s.plan.calls)  # pieces, wraps
+    seen: list[tuple[str, int, int]] = []  # (way, call, group) of each dequantization
+
+    def counted(groups, way):
+        def spy(c, k, dequantize):
+            return lambda: (seen.append((way, c, k)), dequantize())[1]
+        return [[(g[0], spy(c, k, g[1]), *g[2:]) for k, g in enumerate(call)]
+                for c, call in enumerate(groups)]
+
+    s.piece_groups = counted(s.piece_groups, "pieces")
+    s.merged_groups = counted(s.merged_groups, "merged")
     with torch.no_grad():
         for rows in (MERGED_ROWS + 1, 1, 192, 192):
+            seen.clear()
             ids = torch.randint(0, 97, (1, rows))
             torch.testing.assert_close(model(ids).logits, want(ids).logits, rtol=2e-2,
                                        atol=2e-2)
+            way, groups = (("merged", s.merged_groups) if rows <= MERGED_ROWS
+                           else ("pieces", s.piece_groups))
+            assert seen == [(way, c, k) for c, call in enumerate(groups)
+                            for k in range(len(call))]
     assert codegen.nn.report(model).unplanned_calls == 0
+    if staging is not None:  # the ring cuts weights into pieces, some merged back
+        assert sum(map(len, s.merged_groups)) < sum(map(len, s.piece_groups))
 
 
 def test_a_dequantizer_launches_the_compiled_kernel_after_its_first_launch():

@@ -29,7 +29,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import codegen.nn
-from benchmarks.common import budget_bytes, build_bf16, config_8b, is_decoder_linear
+from benchmarks.common import ROW, budget_and_staging, build, config_8b, is_decoder_linear
 
 MARK_CYCLES = 1000  # the marker kernel's spin: about a microsecond
 IDLE_US = 3.0  # gaps shorter than this are launch spacing, not waiting
@@ -37,18 +37,15 @@ IDLE_US = 3.0  # gaps shorter than this are launch spacing, not waiting
 
 def offloaded(config: str, layers: int) -> torch.nn.Module:
     """The 8B-shaped model (``layers`` decoder layers) offloaded as ``config`` names it."""
-    match = re.fullmatch(r"p(\d+)(?:_(fp8|int4))?(?:_s(\d+))?", config)
+    match = re.fullmatch(ROW, f"codegen_{config}")
     if not match:
         raise SystemExit(f"budget_trace: config {config!r} is not p<percent>[_fp8|_int4]"
                          "[_s<MiB>]")
-    percent, quantize, staging = int(match[1]), match[2], match[3]
-    model = build_bf16(config_8b(layers))
-    budget = budget_bytes(model, percent)
-    staging_bytes = int(staging) * 2**20 if staging else None
-    if staging_bytes and not percent:
-        budget = None
+    percent, quantize, staging_mib = int(match[2]), match[3], match[4]
+    model = build(config_8b(layers))
+    budget, staging = budget_and_staging(model, percent, staging_mib and int(staging_mib))
     return codegen.nn.offload(model, filter=is_decoder_linear, gpu_budget=budget,
-                              quantize=quantize, staging=staging_bytes)
+                              quantize=quantize, staging=staging)
 
 
 def mark() -> None:
