@@ -418,3 +418,32 @@ def test_forwards_of_few_and_many_rows_match_the_original(rows, staging, copy_si
                                        atol=1e-5)
     r = codegen.nn.report(model)
     assert r.unplanned_calls == 0 and r.copies == len(r.plan.spans)
+
+
+@pytest.mark.parametrize("rows", [1, 65])
+def test_the_callers_stream_waits_once_for_each_span_it_reads(rows, monkeypatch):
+    """Copies run in the order they were queued, so one wait orders the caller's stream
+    after every copy queued before it: a span read by two pieces (a span across two
+    Linears) or the bias block read by every call is waited for once a forward. Every
+    read is still checked against its copy by the order check, which skipping one wait
+    too many trips."""
+    ref = tiny_llama(seed=5, max_positions=128)
+    model = offloaded(ref, staging=20000, copy_size=6144)
+    s = model._codegen_offload.streamer
+    waits: list[object] = []
+    wait = s.backend.wait
+    monkeypatch.setattr(s.backend, "wait", lambda stream, event: (
+        waits.append(stream) if stream == "current" else None, wait(stream, event)))
+    ids = torch.randint(0, 97, (1, rows))
+    with torch.no_grad():
+        for _ in range(3):
+            waits.clear()
+            torch.testing.assert_close(model(ids).logits, ref(ids).logits, rtol=1e-5,
+                                       atol=1e-5)
+            assert len(waits) <= len(s.plan.spans)
+    pieces = sum(len(call.pieces) for call in s.plan.calls)
+    assert pieces > len(s.plan.spans)  # some spans hold two Linears' rows
+    monkeypatch.setattr(s, "settled", 10**9)  # every span taken as waited for
+    with pytest.raises(codegen.InternalError, match="staging order: read of ring"), \
+            torch.no_grad():
+        model(ids)

@@ -12,17 +12,27 @@ report's copy floor, and the host's time per forward (three queued back to back:
 GPU's time where something in a forward waits for the GPU, as it did on an H100 with
 transformers 5); then, for the middle traced forward, each
 engine's busy and idle time by part, and the longest idle stretches with the layer they
-fell in.
+fell in. The compute stream's idle time is split into waits for a copy (a copy ended
+inside the stretch) and spacing between kernels (none did: events, waits and launches).
+
+``--conditions`` times the prefill under each named condition, interleaved over
+``--rounds`` (the order rotated each round, medians printed): ``as_is``;
+``no_wait_probes``, without the timing events around each wait for a copy (the report's
+``exposed_copy_ms``); ``wait_per_piece``, the caller's stream waiting for its span at
+every GEMM piece, as the streamer did before it waited once for each span a forward.
 
     python -m benchmarks.probes.budget_trace [--layers 32] [--tokens 4096]
                                              [--configs p50,p0_fp8,p25]
+                                             [--conditions as_is,no_wait_probes] [--rounds 4]
 """
 
 from __future__ import annotations
 
 import argparse
+import bisect
 import gc
 import re
+import statistics
 import time
 
 import torch
@@ -48,6 +58,49 @@ def offloaded(config: str, layers: int) -> torch.nn.Module:
                               quantize=quantize, staging=staging)
 
 
+CONDITIONS = ("as_is", "no_wait_probes", "wait_per_piece")
+
+
+def condition(model: torch.nn.Module, name: str) -> None:
+    """Puts the offloaded model's streamer in condition ``name`` (see the docstring)."""
+    streamer = model._codegen_offload.streamer
+    streamer.probe_waits = name != "no_wait_probes"
+    streamer.__dict__.pop("_await_copies", None)
+    if name == "wait_per_piece":
+        await_copies = type(streamer)._await_copies
+
+        def each(stream: object, spans: object) -> None:
+            streamer.waited = None  # nothing waited for yet: every piece waits
+            await_copies(streamer, stream, spans)
+        streamer._await_copies = each
+
+
+def timed(model: torch.nn.Module, ids: torch.Tensor, forwards: int = 3) -> float:
+    """GPU ms per forward of ``forwards`` prefills queued back to back."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(forwards):
+        model(ids, use_cache=False)
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / forwards
+
+
+def compare(model: torch.nn.Module, ids: torch.Tensor, names: list[str], rounds: int) -> None:
+    """Each condition's prefill, interleaved over ``rounds`` (order rotated)."""
+    results: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            condition(model, name)
+            model(ids, use_cache=False)  # the lead-in: the next forward's first spans queued
+            results[name].append(timed(model, ids))
+    condition(model, "as_is")
+    base = statistics.median(results[names[0]])
+    print(f"  interleaved, {rounds} rounds: " + "; ".join(
+        f"{n} {statistics.median(v):.2f} ms ({statistics.median(v) / base:.3f}x)"
+        for n, v in results.items()))
+
+
 def mark() -> None:
     torch.cuda._sleep(MARK_CYCLES)
 
@@ -67,6 +120,13 @@ def idle(events: list, start: float, end: float) -> list[tuple[float, float]]:
     return out
 
 
+def stretches(gaps: list[tuple[float, float]]) -> str:
+    """``gaps``' count and total and mean length."""
+    total = sum(b - a for a, b in gaps)
+    return (f"{len(gaps)} stretches, {total / 1e3:.2f} ms"
+            + (f" (mean {total / len(gaps):.1f} µs)" if gaps else ""))
+
+
 def part(t: float, tail: float, attention: list[float]) -> str:
     """Where time ``t`` falls in a forward whose tail starts at ``tail`` and whose
     attention kernels start at ``attention``."""
@@ -81,7 +141,13 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--configs", default="p50,p0_fp8,p25")
+    parser.add_argument("--conditions", default="",
+                        help=f"comma-separated, of {', '.join(CONDITIONS)}")
+    parser.add_argument("--rounds", type=int, default=4)
     args = parser.parse_args()
+    names = [n for n in args.conditions.split(",") if n]
+    if unknown := [n for n in names if n not in CONDITIONS]:
+        raise SystemExit(f"budget_trace: unknown conditions {unknown}; known: {CONDITIONS}")
     if not torch.cuda.is_available():
         raise SystemExit("budget_trace needs a CUDA GPU")
     ids = torch.randint(0, 32000, (1, args.tokens), device="cuda")
@@ -103,19 +169,21 @@ def main() -> None:
             torch.cuda.synchronize()
             forward_ms = start.elapsed_time(end) / 3
             report = codegen.nn.report(model)
+            plan = codegen.nn.offload_plan(model)
+            print(f"{config}, {args.tokens} tokens: forward {forward_ms:.2f} ms untraced, copy "
+                  f"floor {report.copy_floor_ms:.2f} ms "
+                  f"({forward_ms / report.copy_floor_ms:.3f}x); host {host_ms:.2f} ms a "
+                  f"forward; resident {plan.resident_bytes / 2**20:.0f} MiB, streamed "
+                  f"{plan.streamed_bytes / 2**20:.0f} MiB, staging "
+                  f"{plan.staging_bytes / 2**20:.0f} MiB")
+            if names:
+                compare(model, ids, names, args.rounds)
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
                 for _ in range(3):
                     model(ids, use_cache=False)
                 torch.cuda.synchronize()
         for h in hooks:
             h.remove()
-        plan = codegen.nn.offload_plan(model)
-        print(f"{config}, {args.tokens} tokens: forward {forward_ms:.2f} ms untraced, copy "
-              f"floor {report.copy_floor_ms:.2f} ms ({forward_ms / report.copy_floor_ms:.3f}x);"
-              f" host {host_ms:.2f} ms a forward; resident {plan.resident_bytes / 2**20:.0f} MiB, "
-              f"streamed "
-              f"{plan.streamed_bytes / 2**20:.0f} MiB, staging "
-              f"{plan.staging_bytes / 2**20:.0f} MiB")
         events = sorted((e for e in prof.events() if e.device_type.name == "CUDA"),
                         key=lambda e: e.time_range.start)
         copies = [e for e in events if "HtoD" in e.name]
@@ -148,6 +216,13 @@ def main() -> None:
             busy = (finish - begin) / 1e3 - sum(by.values())
             print(f"  {name}: busy {busy:.2f} ms, idle " + ", ".join(
                 f"{k} {v:.2f}" for k, v in by.items()) + " ms")
+            if name == "compute stream":
+                ends = sorted(e.time_range.end for e in copies)
+                waited = [(a, b) for a, b in gaps
+                          if bisect.bisect_right(ends, b) > bisect.bisect_left(ends, a)]
+                spacing = [g for g in gaps if g not in waited]
+                print("    of which waiting for a copy: " + stretches(waited)
+                      + "; spacing between kernels: " + stretches(spacing))
             for a, b in sorted(gaps, key=lambda g: g[0] - g[1])[:6]:
                 after = next((e.name[:48] for e in kernels if e.time_range.start >= b), "")
                 print(f"    {b - a:7.0f} µs idle in {part(a, tail, attention)}, then {after}")

@@ -126,6 +126,10 @@ class _HostBackend:
     def current(self) -> str:
         return "current"
 
+    @staticmethod
+    def key(stream: str) -> Any:
+        return stream
+
     def event(self, timing: bool = False) -> _HostEvent:
         return _HostEvent()
 
@@ -181,6 +185,8 @@ class _CudaBackend:
     @staticmethod
     def _handle(stream: Any) -> int:
         return stream if isinstance(stream, int) else stream.cuda_stream
+
+    key = _handle  # what tells two streams apart, raw handle or torch's
 
     def event(self, timing: bool = False) -> torch.cuda.Event:
         """A new event, recorded once (torch creates its CUDA event at its first record:
@@ -287,6 +293,7 @@ class Streamer:
         self.cursor = 0  # the next call's position in the plan
         self.issued = 0  # spans queued, over every lap (lap * n + span)
         self.settled = 0  # spans queued before this one need no wait for their copy
+        self.waited: tuple[Any, int] | None = None  # (stream, index): see _await_copies
         self.skip_before = 0  # frees recorded in laps before this one need no wait
         self.off_plan = False  # this forward left the plan: its other calls run unplanned
         self.observed: list[int] = []
@@ -369,6 +376,7 @@ class Streamer:
         n = max(len(self.plan.spans), 1)
         self.lap = self.issued // n + 1
         self.issued = self.settled = self.lap * n
+        self.waited = None
         self.freed_lap = [self.lap - 1] * len(self.plan.spans)
         self.skip_before = self.lap
         self.cursor = 0
@@ -401,9 +409,15 @@ class Streamer:
 
     def _await_copies(self, stream: Any, spans: Sequence[int]) -> None:
         """The caller's stream waits for the copies of ``spans`` of this lap (queued
-        first), timed as one wait."""
+        first), timed as one wait. The copy stream runs its copies in the order they were
+        queued, so a wait for one copy orders ``stream`` after every copy queued before it
+        too: a span the stream has waited past (``waited``: the stream and the first index
+        it has not, this forward) needs no wait of its own, as a second piece of the same
+        span, or the bias block, finds."""
         n = len(self.plan.spans)
-        waits = []
+        key = self.backend.key(stream)
+        past = self.waited[1] if self.waited is not None and self.waited[0] == key else 0
+        waits, last = [], -1
         for j in spans:
             index = self.lap * n + j
             if self.issued <= index:
@@ -412,10 +426,12 @@ class Streamer:
                 raise InternalError(f"codegen.nn.offload: span {j} of lap {self.lap} cannot be "
                                     "copied before the call that reads it (a plan whose waits "
                                     "need a later reader; bug)")
-            if index >= self.settled:
+            if index >= max(self.settled, past):
                 waits.append(j)
+                last = max(last, index)
         if not waits:
             return
+        self.waited = (key, max(last + 1, past))
         probe = self.probe_waits and self.now is not None and not self.capturing and isinstance(
             self.backend, _CudaBackend)
         if probe:
@@ -461,6 +477,7 @@ class Streamer:
         elif restart is not None:
             self._restart(stream)
         self.capturing = capturing
+        self.waited = None  # a forward's waits order only its own stream's later work
         self.off_plan = False
         self.observed = []
         self.forwards += 1
