@@ -2,7 +2,9 @@
 on a copy stream, into the staging ring, ahead of the GEMM pieces that read them.
 
 The host drives it, call by call, as the forward runs. Each Linear call waits (on the GPU)
-for the copies of its pieces' spans, queues its pieces (a call of few input rows, such as
+for the copies of its pieces' spans (a wait orders the caller's stream after every copy
+queued before it too, so each span is waited for once a forward, by its first reader),
+queues its pieces (a call of few input rows, such as
 a decode step's, one GEMM per run of pieces back to back in the ring: its GEMMs are too
 short to gain from starting early, and each costs the host), records the events that
 free the spans it read last, then queues every copy whose waits have all been recorded: the copy
