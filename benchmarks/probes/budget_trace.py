@@ -1,19 +1,19 @@
-"""Where do the copy engine and the compute stream wait in a long prefill of the
-8B-shaped model under a GPU budget?
+"""Where do the copy engine and the compute stream wait in a long prefill of the 8B-shaped
+model under a GPU budget?
 
 For each ``--configs`` entry (``p<percent>`` of the offloadable bytes as ``gpu_budget``,
 then optionally ``_fp8`` / ``_int4`` and ``_s<MiB>`` of staging, as ``offload_budget``
-names its rows) the model is offloaded and three prefills of ``--tokens`` run back to
-back under the profiler. A marker kernel on the compute stream opens each forward and
-another its tail (the final norm and lm_head), and the attention kernels count the decoder
-layers, so every idle stretch of either engine is placed: before layer 0 (head), in the
-layers, or in the tail. Printed per config: the forward's GPU time untraced and the
-report's copy floor, and the host's time per forward (three queued back to back: the
-GPU's time where something in a forward waits for the GPU, as it did on an H100 with
-transformers 5); then, for the middle traced forward, each
-engine's busy and idle time by part, and the longest idle stretches with the layer they
-fell in. The compute stream's idle time is split into waits for a copy (a copy ended
-inside the stretch) and spacing between kernels (none did: events, waits and launches).
+names its rows, and ``_c<MiB>``, the copy size) the model is offloaded and three prefills
+of ``--tokens`` run back to back under the profiler. A marker kernel on the compute stream
+opens each forward and another its tail (the final norm and lm_head), and the attention
+kernels count the decoder layers, so every idle stretch of either engine is placed: before
+layer 0 (head), in the layers, or in the tail. Printed per config: the forward's GPU time
+untraced and the report's copy floor, and the host's time per forward (three queued back
+to back: the GPU's time where something in a forward waits for the GPU, as it did on an
+H100 with transformers 5); then, for the middle traced forward, each engine's busy and
+idle time by part, and the longest idle stretches with the layer they fell in. The compute
+stream's idle time is split into waits for a copy (a copy ended inside the stretch) and
+spacing between kernels (none did: events, waits and launches).
 
 ``--conditions`` times the prefill under each named condition, interleaved over
 ``--rounds`` (the order rotated each round, medians printed): ``as_is``;
@@ -22,7 +22,7 @@ inside the stretch) and spacing between kernels (none did: events, waits and lau
 every GEMM piece, as the streamer did before it waited once for each span a forward.
 
     python -m benchmarks.probes.budget_trace [--layers 32] [--tokens 4096]
-                                             [--configs p50,p0_fp8,p25]
+                                             [--configs p50,p0_fp8,p0_fp8_s208_c64]
                                              [--conditions as_is,no_wait_probes] [--rounds 4]
 """
 
@@ -47,15 +47,17 @@ IDLE_US = 3.0  # gaps shorter than this are launch spacing, not waiting
 
 def offloaded(config: str, layers: int) -> torch.nn.Module:
     """The 8B-shaped model (``layers`` decoder layers) offloaded as ``config`` names it."""
-    match = re.fullmatch(ROW, f"codegen_{config}")
-    if not match:
+    row, _, copy_mib = config.partition("_c")
+    match = re.fullmatch(ROW, f"codegen_{row}")
+    if not match or (copy_mib and not copy_mib.isdigit()):
         raise SystemExit(f"budget_trace: config {config!r} is not p<percent>[_fp8|_int4]"
-                         "[_s<MiB>]")
+                         "[_s<MiB>][_c<MiB>]")
     percent, quantize, staging_mib = int(match[2]), match[3], match[4]
     model = build(config_8b(layers))
     budget, staging = budget_and_staging(model, percent, staging_mib and int(staging_mib))
     return codegen.nn.offload(model, filter=is_decoder_linear, gpu_budget=budget,
-                              quantize=quantize, staging=staging)
+                              quantize=quantize, staging=staging,
+                              copy_size=int(copy_mib) * 2**20 if copy_mib else None)
 
 
 CONDITIONS = ("as_is", "no_wait_probes", "wait_per_piece")
@@ -217,6 +219,17 @@ def main() -> None:
             print(f"  {name}: busy {busy:.2f} ms, idle " + ", ".join(
                 f"{k} {v:.2f}" for k, v in by.items()) + " ms")
             if name == "compute stream":
+                kinds = {"GEMMs": 0.0, "dequantization": 0.0, "other": 0.0}
+                count = {k: 0 for k in kinds}
+                for e in evs:
+                    if begin <= e.time_range.start < finish:
+                        low = e.name.lower()
+                        kind = ("dequantization" if "_rows" in low else "GEMMs" if any(
+                            k in low for k in ("nvjet", "gemm", "cutlass")) else "other")
+                        kinds[kind] += e.time_range.elapsed_us() / 1e3
+                        count[kind] += 1
+                print("    kernels: " + ", ".join(f"{k} {v:.2f} ms ({count[k]})"
+                                                  for k, v in kinds.items()))
                 ends = sorted(e.time_range.end for e in copies)
                 waited = [(a, b) for a, b in gaps
                           if bisect.bisect_right(ends, b) > bisect.bisect_left(ends, a)]
