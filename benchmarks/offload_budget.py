@@ -1,7 +1,8 @@
 """A Llama-3-8B-shaped model offloaded under GPU memory budgets.
 
     python -m benchmarks.offload_budget [--budgets 0,25,50,75] [--tokens 512,4096,1]
-                                        [--generate N] [--rounds N] [--layers N]
+                                        [--generate N] [--last-logits] [--rounds N]
+                                        [--layers N]
                                         [--variants codegen,accelerate,prefetch,gpu,copy]
                                         [--quantize fp8,int4] [--staging MiB,...]
                                         [--out DIR] [--dry-run]
@@ -35,7 +36,10 @@ once and timed interleaved:
   dequant row: it may stream other weights).
 
 Steps: prefills of ``--tokens`` tokens (1: the decode step of ``offload_llama``, one token
-after a 512-token prompt with a ``DynamicCache``), and with ``--generate N`` greedy
+after a 512-token prompt with a ``DynamicCache``), each prefill returning every position's
+logits (lm_head over all tokens: at 4096 tokens about 7 ms of GEMM after the last streamed
+weight), with ``--last-logits`` again returning the last position's only (``prefill_last``,
+as ``generate``'s prefill runs it), and with ``--generate N`` greedy
 ``generate`` of N tokens (tokens/s). Ratios are medians of per-round ratios;
 ``vs_floor`` is ms over max(copy_p<p>, gpu) of the same round, the target's measure (for
 a quantized row: over max(its copy floor, gpu + its dequant row)).
@@ -309,6 +313,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--accelerate-budgets", default=",".join(map(str, ACCELERATE_BUDGETS)))
     parser.add_argument("--tokens", default="512,4096,1")
     parser.add_argument("--generate", type=int, default=0, metavar="N")
+    parser.add_argument("--last-logits", action="store_true",
+                        help="each prefill again with only the last position's logits "
+                             "(logits_to_keep=1, as generate's prefill runs it)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--variants", default="codegen,accelerate,prefetch,gpu,copy")
@@ -441,17 +448,19 @@ def main(argv: list[str] | None = None) -> int:
             indent=1, default=str) + "\n")
 
     save()
-    for tokens in args.tokens:
+    steps = [(t, "decode" if t == 1 else "prefill") for t in args.tokens]
+    if args.last_logits:
+        steps += [(t, "prefill_last") for t in args.tokens if t > 1]
+    for tokens, step in steps:
         try:
-            if tokens == 1:
-                step = "decode"
+            if step == "decode":
                 calls = {v: b.call or DecodeStep(b.model, prompt, token)
                          for v, b in built.items()}
             else:
-                step = "prefill"
                 torch.manual_seed(SEED + tokens)
                 ids = torch.randint(0, config.vocab_size, (1, tokens), device="cuda")
-                calls = {v: b.call or bind(forward, b.model, ids) for v, b in built.items()}
+                run = forward if step == "prefill" else forward_last
+                calls = {v: b.call or bind(run, b.model, ids) for v, b in built.items()}
             times = timed(calls, args.rounds)
             step_rows = rows_of(step, tokens, times, built)
             peaks = {v: peak_mib(calls[v]) for v in models}
@@ -494,6 +503,13 @@ def main(argv: list[str] | None = None) -> int:
         print(n)
     save()
     return 1 if any(n.startswith("FAILED") for n in notes) else 0
+
+
+def forward_last(model: Any, ids: torch.Tensor) -> torch.Tensor:
+    """A prefill forward without a KV cache that computes the last position's logits only,
+    as ``generate``'s prefill does (``logits_to_keep=1``)."""
+    with torch.no_grad():
+        return model(ids, use_cache=False, logits_to_keep=1).logits
 
 
 def _call_ms(fn: Callable[[], Any], reps: int = 1) -> float:
