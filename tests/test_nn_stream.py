@@ -106,24 +106,27 @@ def test_plans_hold_what_they_promise(ring, copy_bytes, bias):
     assert any(s.is_bias_block for s in plan.spans) == bias
 
 
-def test_spans_run_across_linears_and_cut_weights_at_rows():
+def test_spans_hold_whole_weights_and_cut_only_those_larger_than_a_copy():
     lays, _ = layouts([(16, 64), (16, 64), (256, 64)])  # 4 KiB, 4 KiB, 64 KiB
     plan = plan_stream(lays, [0, 1, 2], ring_bytes=10**6, copy_bytes=16384, bias_bytes=0)
-    # Both small weights and the big one's first 32 rows in one span, then 64 rows a span.
+    # Both small weights in one span; the big one starts its own, then 64 rows a span.
     assert [c.pieces[0].span for c in plan.calls[:2]] == [0, 0]
-    assert [p.rows for p in plan.calls[2].pieces] == [(0, 32), (32, 96), (96, 160),
-                                                       (160, 224), (224, 256)]
-    assert [s.nbytes for s in plan.spans] == [16384] * 4 + [8192]
-    # A weight starting with less than an eighth of a span left starts a span of its own.
-    plan = plan_stream(lays, [2, 0, 1], ring_bytes=10**6, copy_bytes=65536 + 1024,
-                       bias_bytes=0)
-    assert plan.calls[1].pieces[0].span == 1
+    assert [p.rows for p in plan.calls[2].pieces] == [(0, 64), (64, 128), (128, 192),
+                                                       (192, 256)]
+    assert [s.nbytes for s in plan.spans] == [8192] + [16384] * 4
+    # A weight that does not fit whole in what is left of the open span starts a new one.
+    lays, _ = layouts([(16, 64), (48, 64), (16, 64)])  # 4 KiB, 12 KiB, 4 KiB
+    plan = plan_stream(lays, [0, 1, 2], ring_bytes=10**6, copy_bytes=14336, bias_bytes=0)
+    assert [[p.span for p in c.pieces] for c in plan.calls] == [[0], [1], [2]]
+    assert [s.nbytes for s in plan.spans] == [4096, 12288, 4096]
+    check_plan(plan, lays)
 
 
 def test_pieces_start_at_multiples_of_128_rows_where_copies_hold_that_many():
-    lays, _ = layouts([(100, 1024), (1000, 1024)])  # 4 KiB rows
-    plan = plan_stream(lays, [0, 1], ring_bytes=10**7, copy_bytes=2 * 2**20, bias_bytes=0)
-    assert [p.rows for p in plan.calls[1].pieces] == [(0, 384), (384, 896), (896, 1000)]
+    lays, _ = layouts([(1000, 1024)])  # 4 KiB rows; a copy holds 522 of them
+    plan = plan_stream(lays, [0], ring_bytes=10**7, copy_bytes=2 * 2**20 + 40 * 1024,
+                       bias_bytes=0)
+    assert [p.rows for p in plan.calls[0].pieces] == [(0, 512), (512, 1000)]
     check_plan(plan, lays)
 
 
@@ -428,7 +431,7 @@ def test_the_callers_stream_waits_once_for_each_span_it_reads(rows, monkeypatch)
     read is still checked against its copy by the order check, which skipping one wait
     too many trips."""
     ref = tiny_llama(seed=5, max_positions=128)
-    model = offloaded(ref, staging=20000, copy_size=6144)
+    model = offloaded(ref, staging=90000, copy_size=40000)  # spans of two and more weights
     s = model._codegen_offload.streamer
     waits: list[object] = []
     wait = s.backend.wait
@@ -442,7 +445,7 @@ def test_the_callers_stream_waits_once_for_each_span_it_reads(rows, monkeypatch)
                                        atol=1e-5)
             assert len(waits) <= len(s.plan.spans)
     pieces = sum(len(call.pieces) for call in s.plan.calls)
-    assert pieces > len(s.plan.spans)  # some spans hold two Linears' rows
+    assert pieces > len(s.plan.spans)  # some spans hold two Linears' weights
     monkeypatch.setattr(s, "settled", 10**9)  # every span taken as waited for
     with pytest.raises(codegen.InternalError, match="staging order: read of ring"), \
             torch.no_grad():

@@ -2,9 +2,10 @@
 which copies, into which bytes of the GPU staging, and which GEMM reads them.
 
 A forward is one *lap* over the plan. Its copies are *spans*: contiguous ranges of the
-arena of about ``copy_bytes``, cut at row boundaries of the weights and running across
-Linear boundaries (a Linear's weight, the next one's, ... as the arena lays them out in
-the order the forward reads them), each copied whole into the staging ring. Every bias
+arena of up to ``copy_bytes``, holding whole weights where they fit (a Linear's weight,
+the next one's, ... as the arena lays them out in the order the forward reads them) and
+cutting a weight larger than a span at row boundaries, each copied whole into the
+staging ring. Every bias
 travels in one *bias block* per forward into a buffer of its own. A Linear's GEMM runs as
 *pieces*, one per span its weight's rows lie in: piece ``p`` computes
 ``y[:, r0:r1] = x @ W[r0:r1].T (+ b[r0:r1])`` and waits only for its span's copy.
@@ -387,10 +388,13 @@ def plan_stream(layouts: list[Layout] | tuple[Layout, ...], order: list[int] | t
     size (the arena's first bytes), copied whole each forward.
 
     Spans: the rows of the weights in call order, packed while they are adjacent in the
-    arena and the span stays within ``copy_bytes``, cut at multiples of ``row_granule``
-    rows; a weight that starts with less than an eighth of a span left starts a new span
-    instead (no sliver GEMMs). A span holds at least one row, so ``copy_bytes`` below a
-    row's bytes is raised to it."""
+    arena and the span stays within ``copy_bytes``; a weight that does not fit whole in
+    what is left of the open span starts a new one, and one larger than a span fills
+    spans of ``copy_bytes``, cut at multiples of ``row_granule`` rows. So a weight is
+    split only where it is larger than a copy: each split is one more GEMM piece, and at
+    a long prefill's token counts a GEMM cut in two takes measurably longer than one
+    (its pieces each end in a partly filled wave of tiles). A span holds at least one
+    row, so ``copy_bytes`` below a row's bytes is raised to it."""
     layouts = tuple(layouts)
     widest = max((lay.row_bytes for lay in layouts), default=0)
     copy_bytes = max(copy_bytes, widest, 1)
@@ -422,10 +426,12 @@ def plan_stream(layouts: list[Layout] | tuple[Layout, ...], order: list[int] | t
             start = lay.weight_offset + r * lay.row_bytes
             adjacent = open_begin >= 0 and start in (open_end, round_up(open_end, ALIGN))
             room = copy_bytes - (start - open_begin) if adjacent else 0
-            if room < max(granule * lay.row_bytes, copy_bytes // 8):
+            if room < (lay.weight_bytes if r == 0 else granule * lay.row_bytes):
                 close()
                 open_begin, room = start, copy_bytes
-            rows = min(lay.out_features - r, room // lay.row_bytes // granule * granule)
+            rest = lay.out_features - r
+            rows = (rest if rest * lay.row_bytes <= room
+                    else room // lay.row_bytes // granule * granule)
             open_end = start + rows * lay.row_bytes
             pieces.append(((r, r + rows), len(spans), start - open_begin))
             r += rows
