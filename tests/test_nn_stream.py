@@ -122,6 +122,22 @@ def test_spans_hold_whole_weights_and_cut_only_those_larger_than_a_copy():
     check_plan(plan, lays)
 
 
+def test_spans_packed_across_weights_where_asked():
+    lays, _ = layouts([(16, 64), (16, 64), (256, 64)])  # 4 KiB, 4 KiB, 64 KiB
+    plan = plan_stream(lays, [0, 1, 2], ring_bytes=10**6, copy_bytes=16384, bias_bytes=0,
+                       whole_weights=False)
+    # Both small weights and the big one's first 32 rows in one span, then 64 rows a span.
+    assert [c.pieces[0].span for c in plan.calls[:2]] == [0, 0]
+    assert [p.rows for p in plan.calls[2].pieces] == [(0, 32), (32, 96), (96, 160),
+                                                       (160, 224), (224, 256)]
+    assert [s.nbytes for s in plan.spans] == [16384] * 4 + [8192]
+    check_plan(plan, lays)
+    # A weight starting with less than an eighth of a span left starts a span of its own.
+    plan = plan_stream(lays, [2, 0, 1], ring_bytes=10**6, copy_bytes=65536 + 1024,
+                       bias_bytes=0, whole_weights=False)
+    assert plan.calls[1].pieces[0].span == 1
+
+
 def test_pieces_start_at_multiples_of_128_rows_where_copies_hold_that_many():
     lays, _ = layouts([(1000, 1024)])  # 4 KiB rows; a copy holds 522 of them
     plan = plan_stream(lays, [0], ring_bytes=10**7, copy_bytes=2 * 2**20 + 40 * 1024,

@@ -19,9 +19,13 @@ spacing between kernels (none did: events, waits and launches).
 ``--rounds`` (the order rotated each round, medians printed): ``as_is``;
 ``no_wait_probes``, without the timing events around each wait for a copy (the report's
 ``exposed_copy_ms``); ``wait_per_piece``, the caller's stream waiting for its span at
-every GEMM piece, as the streamer did before it waited once for each span a forward.
+every GEMM piece, as the streamer did before it waited once for each span a forward;
+``packed_spans``, the copy plan with every span packed to the copy size across weights
+(``plan_stream(..., whole_weights=False)``, the plan before spans held whole weights).
+With ``--tokens 4096,1`` each config is timed at each token count (a one-token forward
+streams as a decode step does); the trace is of the first.
 
-    python -m benchmarks.probes.budget_trace [--layers 32] [--tokens 4096]
+    python -m benchmarks.probes.budget_trace [--layers 32] [--tokens 4096,1]
                                              [--configs p50,p0_fp8,p0_fp8_s208_c64]
                                              [--conditions as_is,no_wait_probes] [--rounds 4]
 """
@@ -30,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import bisect
+import dataclasses
 import gc
 import re
 import statistics
@@ -40,6 +45,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import codegen.nn
 from benchmarks.common import ROW, budget_and_staging, build, config_8b, is_decoder_linear
+from codegen.nn.plan import plan_stream
 
 MARK_CYCLES = 1000  # the marker kernel's spin: about a microsecond
 IDLE_US = 3.0  # gaps shorter than this are launch spacing, not waiting
@@ -60,12 +66,23 @@ def offloaded(config: str, layers: int) -> torch.nn.Module:
                               copy_size=int(copy_mib) * 2**20 if copy_mib else None)
 
 
-CONDITIONS = ("as_is", "no_wait_probes", "wait_per_piece")
+CONDITIONS = ("as_is", "no_wait_probes", "wait_per_piece", "packed_spans")
 
 
 def condition(model: torch.nn.Module, name: str) -> None:
     """Puts the offloaded model's streamer in condition ``name`` (see the docstring)."""
     streamer = model._codegen_offload.streamer
+    plans = streamer.__dict__.setdefault("probe_plans", {"whole": streamer.plan})
+    if "packed" not in plans:
+        plan = plans["whole"]
+        plans["packed"] = dataclasses.replace(
+            plan_stream(plan.layouts, plan.order, plan.ring_bytes, plan.copy_bytes,
+                        plan.bias_bytes, whole_weights=False),
+            resident=plan.resident, budget=plan.budget, copy_gbps=plan.copy_gbps)
+    plan = plans["packed" if name == "packed_spans" else "whole"]
+    if streamer.plan is not plan:  # as a new call order is learnt: the copies start over
+        streamer._restart(streamer.backend.current())
+        streamer._set_plan(plan)
     streamer.probe_waits = name != "no_wait_probes"
     streamer.__dict__.pop("_await_copies", None)
     if name == "wait_per_piece":
@@ -141,7 +158,7 @@ def part(t: float, tail: float, attention: list[float]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.probes.budget_trace")
     parser.add_argument("--layers", type=int, default=32)
-    parser.add_argument("--tokens", type=int, default=4096)
+    parser.add_argument("--tokens", default="4096", help="token counts, comma-separated")
     parser.add_argument("--configs", default="p50,p0_fp8,p25")
     parser.add_argument("--conditions", default="",
                         help=f"comma-separated, of {', '.join(CONDITIONS)}")
@@ -152,7 +169,8 @@ def main() -> None:
         raise SystemExit(f"budget_trace: unknown conditions {unknown}; known: {CONDITIONS}")
     if not torch.cuda.is_available():
         raise SystemExit("budget_trace needs a CUDA GPU")
-    ids = torch.randint(0, 32000, (1, args.tokens), device="cuda")
+    counts = [int(t) for t in args.tokens.split(",")]
+    ids = torch.randint(0, 32000, (1, counts[0]), device="cuda")
     for config in args.configs.split(","):
         model = offloaded(config, args.layers)
         hooks = [model.register_forward_pre_hook(lambda *a: mark()),
@@ -172,7 +190,7 @@ def main() -> None:
             forward_ms = start.elapsed_time(end) / 3
             report = codegen.nn.report(model)
             plan = codegen.nn.offload_plan(model)
-            print(f"{config}, {args.tokens} tokens: forward {forward_ms:.2f} ms untraced, copy "
+            print(f"{config}, {counts[0]} tokens: forward {forward_ms:.2f} ms untraced, copy "
                   f"floor {report.copy_floor_ms:.2f} ms "
                   f"({forward_ms / report.copy_floor_ms:.3f}x); host {host_ms:.2f} ms a "
                   f"forward; resident {plan.resident_bytes / 2**20:.0f} MiB, streamed "
@@ -180,6 +198,12 @@ def main() -> None:
                   f"{plan.staging_bytes / 2**20:.0f} MiB")
             if names:
                 compare(model, ids, names, args.rounds)
+                for tokens in counts[1:]:
+                    more = torch.randint(0, 32000, (1, tokens), device="cuda")
+                    model(more, use_cache=False)
+                    print(f"  {tokens} tokens:", end="")
+                    compare(model, more, names, args.rounds)
+                model(ids, use_cache=False)
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
                 for _ in range(3):
                     model(ids, use_cache=False)

@@ -382,7 +382,8 @@ def _ring_places(spans: list[tuple[int, int]], bias_span: int | None,
 
 
 def plan_stream(layouts: list[Layout] | tuple[Layout, ...], order: list[int] | tuple[int, ...],
-                ring_bytes: int, copy_bytes: int, bias_bytes: int) -> StreamPlan:
+                ring_bytes: int, copy_bytes: int, bias_bytes: int,
+                whole_weights: bool = True) -> StreamPlan:
     """The plan of a forward that calls ``layouts[i]`` for ``i`` in ``order``, with a ring
     of ``ring_bytes`` and copies of about ``copy_bytes``; ``bias_bytes``: the bias block's
     size (the arena's first bytes), copied whole each forward.
@@ -394,7 +395,9 @@ def plan_stream(layouts: list[Layout] | tuple[Layout, ...], order: list[int] | t
     split only where it is larger than a copy: each split is one more GEMM piece, and at
     a long prefill's token counts a GEMM cut in two takes measurably longer than one
     (its pieces each end in a partly filled wave of tiles). A span holds at least one
-    row, so ``copy_bytes`` below a row's bytes is raised to it."""
+    row, so ``copy_bytes`` below a row's bytes is raised to it. ``whole_weights=False``
+    packs every span to ``copy_bytes`` across weights instead (a weight then starts a new
+    span only with less than an eighth of one left): fewer, fuller copies, more pieces."""
     layouts = tuple(layouts)
     widest = max((lay.row_bytes for lay in layouts), default=0)
     copy_bytes = max(copy_bytes, widest, 1)
@@ -426,7 +429,10 @@ def plan_stream(layouts: list[Layout] | tuple[Layout, ...], order: list[int] | t
             start = lay.weight_offset + r * lay.row_bytes
             adjacent = open_begin >= 0 and start in (open_end, round_up(open_end, ALIGN))
             room = copy_bytes - (start - open_begin) if adjacent else 0
-            if room < (lay.weight_bytes if r == 0 else granule * lay.row_bytes):
+            least = granule * lay.row_bytes
+            if r == 0:
+                least = lay.weight_bytes if whole_weights else max(least, copy_bytes // 8)
+            if room < least:
                 close()
                 open_begin, room = start, copy_bytes
             rest = lay.out_features - r
