@@ -106,9 +106,10 @@ def test_plans_hold_what_they_promise(ring, copy_bytes, bias):
     assert any(s.is_bias_block for s in plan.spans) == bias
 
 
-def test_spans_hold_whole_weights_and_cut_only_those_larger_than_a_copy():
+def test_spans_hold_whole_weights_where_asked_and_cut_only_those_larger_than_a_copy():
     lays, _ = layouts([(16, 64), (16, 64), (256, 64)])  # 4 KiB, 4 KiB, 64 KiB
-    plan = plan_stream(lays, [0, 1, 2], ring_bytes=10**6, copy_bytes=16384, bias_bytes=0)
+    plan = plan_stream(lays, [0, 1, 2], ring_bytes=10**6, copy_bytes=16384, bias_bytes=0,
+                       whole_weights=True)
     # Both small weights in one span; the big one starts its own, then 64 rows a span.
     assert [c.pieces[0].span for c in plan.calls[:2]] == [0, 0]
     assert [p.rows for p in plan.calls[2].pieces] == [(0, 64), (64, 128), (128, 192),
@@ -116,16 +117,16 @@ def test_spans_hold_whole_weights_and_cut_only_those_larger_than_a_copy():
     assert [s.nbytes for s in plan.spans] == [8192] + [16384] * 4
     # A weight that does not fit whole in what is left of the open span starts a new one.
     lays, _ = layouts([(16, 64), (48, 64), (16, 64)])  # 4 KiB, 12 KiB, 4 KiB
-    plan = plan_stream(lays, [0, 1, 2], ring_bytes=10**6, copy_bytes=14336, bias_bytes=0)
+    plan = plan_stream(lays, [0, 1, 2], ring_bytes=10**6, copy_bytes=14336, bias_bytes=0,
+                       whole_weights=True)
     assert [[p.span for p in c.pieces] for c in plan.calls] == [[0], [1], [2]]
     assert [s.nbytes for s in plan.spans] == [4096, 12288, 4096]
     check_plan(plan, lays)
 
 
-def test_spans_packed_across_weights_where_asked():
+def test_spans_run_across_linears_and_cut_weights_at_rows():
     lays, _ = layouts([(16, 64), (16, 64), (256, 64)])  # 4 KiB, 4 KiB, 64 KiB
-    plan = plan_stream(lays, [0, 1, 2], ring_bytes=10**6, copy_bytes=16384, bias_bytes=0,
-                       whole_weights=False)
+    plan = plan_stream(lays, [0, 1, 2], ring_bytes=10**6, copy_bytes=16384, bias_bytes=0)
     # Both small weights and the big one's first 32 rows in one span, then 64 rows a span.
     assert [c.pieces[0].span for c in plan.calls[:2]] == [0, 0]
     assert [p.rows for p in plan.calls[2].pieces] == [(0, 32), (32, 96), (96, 160),
@@ -134,7 +135,7 @@ def test_spans_packed_across_weights_where_asked():
     check_plan(plan, lays)
     # A weight starting with less than an eighth of a span left starts a span of its own.
     plan = plan_stream(lays, [2, 0, 1], ring_bytes=10**6, copy_bytes=65536 + 1024,
-                       bias_bytes=0, whole_weights=False)
+                       bias_bytes=0)
     assert plan.calls[1].pieces[0].span == 1
 
 

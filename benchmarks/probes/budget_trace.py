@@ -20,8 +20,9 @@ spacing between kernels (none did: events, waits and launches).
 ``no_wait_probes``, without the timing events around each wait for a copy (the report's
 ``exposed_copy_ms``); ``wait_per_piece``, the caller's stream waiting for its span at
 every GEMM piece, as the streamer did before it waited once for each span a forward;
-``packed_spans``, the copy plan with every span packed to the copy size across weights
-(``plan_stream(..., whole_weights=False)``, the plan before spans held whole weights).
+``whole_weights``, the copy plan with spans that hold whole weights where they fit
+(``plan_stream(..., whole_weights=True)``: only weights larger than a copy are cut, so
+fewer GEMM pieces, against spans packed to the copy size across weights).
 With ``--tokens 4096,1`` each config is timed at each token count (a one-token forward
 streams as a decode step does); the trace is of the first.
 
@@ -66,20 +67,20 @@ def offloaded(config: str, layers: int) -> torch.nn.Module:
                               copy_size=int(copy_mib) * 2**20 if copy_mib else None)
 
 
-CONDITIONS = ("as_is", "no_wait_probes", "wait_per_piece", "packed_spans")
+CONDITIONS = ("as_is", "no_wait_probes", "wait_per_piece", "whole_weights")
 
 
 def condition(model: torch.nn.Module, name: str) -> None:
     """Puts the offloaded model's streamer in condition ``name`` (see the docstring)."""
     streamer = model._codegen_offload.streamer
-    plans = streamer.__dict__.setdefault("probe_plans", {"whole": streamer.plan})
-    if "packed" not in plans:
-        plan = plans["whole"]
-        plans["packed"] = dataclasses.replace(
+    plans = streamer.__dict__.setdefault("probe_plans", {"packed": streamer.plan})
+    if "whole" not in plans:
+        plan = plans["packed"]
+        plans["whole"] = dataclasses.replace(
             plan_stream(plan.layouts, plan.order, plan.ring_bytes, plan.copy_bytes,
-                        plan.bias_bytes, whole_weights=False),
+                        plan.bias_bytes, whole_weights=True),
             resident=plan.resident, budget=plan.budget, copy_gbps=plan.copy_gbps)
-    plan = plans["packed" if name == "packed_spans" else "whole"]
+    plan = plans["whole" if name == "whole_weights" else "packed"]
     if streamer.plan is not plan:  # as a new call order is learnt: the copies start over
         streamer._restart(streamer.backend.current())
         streamer._set_plan(plan)

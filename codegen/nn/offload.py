@@ -15,8 +15,8 @@ The modules stay ``nn.Linear`` (their class becomes :class:`OffloadedLinear`, a
 subclass), so transformers models work unchanged, ``generate()`` included.
 
 Inference (no gradients needed) streams the arena by a copy plan (``plan.py``, run by
-``streamer.py``): each forward copies it in spans of up to ``copy_size`` bytes, whole
-weights where they fit, into a GPU staging ring of ``staging`` bytes (by default half of the
+``streamer.py``): each forward copies it in spans of about ``copy_size`` bytes, across
+Linear boundaries, into a GPU staging ring of ``staging`` bytes (by default half of the
 largest decoder layer's offloaded weights), and each Linear's GEMM runs in pieces, one
 per span its rows lie in, each waiting only for its span's copy. A copy is queued as soon
 as the readers of the ring bytes it overwrites have been queued, so the copy engine runs
@@ -654,8 +654,8 @@ def offload(model: nn.Module, slices: int = 8, *, filter: Filter | None = None, 
     e.g. not a tied lm_head);
     ``device="cpu"`` runs every offloaded Linear on the CPU (the reference semantics, for
     tests). ``prefetch`` (the default): forwards stream the arena by a copy plan
-    (``codegen/nn/plan.py``): copies of up to ``copy_size`` bytes (default
-    ``DEFAULT_COPY_BYTES``), whole weights where they fit, into a GPU staging ring of
+    (``codegen/nn/plan.py``): copies of about ``copy_size`` bytes (default
+    ``DEFAULT_COPY_BYTES``) across Linear boundaries, into a GPU staging ring of
     ``staging`` bytes (default: half of the largest decoder layer's offloaded weights),
     run ahead of the GEMM pieces that read them, into the next forward too (a forward
     whose offloaded weights were written in place since the last one first orders its

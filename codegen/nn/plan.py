@@ -2,10 +2,9 @@
 which copies, into which bytes of the GPU staging, and which GEMM reads them.
 
 A forward is one *lap* over the plan. Its copies are *spans*: contiguous ranges of the
-arena of up to ``copy_bytes``, holding whole weights where they fit (a Linear's weight,
-the next one's, ... as the arena lays them out in the order the forward reads them) and
-cutting a weight larger than a span at row boundaries, each copied whole into the
-staging ring. Every bias
+arena of about ``copy_bytes``, cut at row boundaries of the weights and running across
+Linear boundaries (a Linear's weight, the next one's, ... as the arena lays them out in
+the order the forward reads them), each copied whole into the staging ring. Every bias
 travels in one *bias block* per forward into a buffer of its own. A Linear's GEMM runs as
 *pieces*, one per span its weight's rows lie in: piece ``p`` computes
 ``y[:, r0:r1] = x @ W[r0:r1].T (+ b[r0:r1])`` and waits only for its span's copy.
@@ -383,21 +382,20 @@ def _ring_places(spans: list[tuple[int, int]], bias_span: int | None,
 
 def plan_stream(layouts: list[Layout] | tuple[Layout, ...], order: list[int] | tuple[int, ...],
                 ring_bytes: int, copy_bytes: int, bias_bytes: int,
-                whole_weights: bool = True) -> StreamPlan:
+                whole_weights: bool = False) -> StreamPlan:
     """The plan of a forward that calls ``layouts[i]`` for ``i`` in ``order``, with a ring
     of ``ring_bytes`` and copies of about ``copy_bytes``; ``bias_bytes``: the bias block's
     size (the arena's first bytes), copied whole each forward.
 
     Spans: the rows of the weights in call order, packed while they are adjacent in the
-    arena and the span stays within ``copy_bytes``; a weight that does not fit whole in
-    what is left of the open span starts a new one, and one larger than a span fills
-    spans of ``copy_bytes``, cut at multiples of ``row_granule`` rows. So a weight is
-    split only where it is larger than a copy: each split is one more GEMM piece, and at
-    a long prefill's token counts a GEMM cut in two takes measurably longer than one
-    (its pieces each end in a partly filled wave of tiles). A span holds at least one
-    row, so ``copy_bytes`` below a row's bytes is raised to it. ``whole_weights=False``
-    packs every span to ``copy_bytes`` across weights instead (a weight then starts a new
-    span only with less than an eighth of one left): fewer, fuller copies, more pieces."""
+    arena and the span stays within ``copy_bytes``, cut at multiples of ``row_granule``
+    rows; a weight that starts with less than an eighth of a span left starts a new span
+    instead (no sliver GEMMs). A span holds at least one row, so ``copy_bytes`` below a
+    row's bytes is raised to it. ``whole_weights=True`` starts a new span wherever a weight
+    does not fit whole in what is left of the open one, so that only weights larger than
+    a copy are cut: fewer GEMM pieces (the 8B-shaped model in fp8: 320 a forward instead
+    of 417), more and smaller copies; not the default, as its one measurement did not
+    show it faster (benchmarks/RESULTS.md)."""
     layouts = tuple(layouts)
     widest = max((lay.row_bytes for lay in layouts), default=0)
     copy_bytes = max(copy_bytes, widest, 1)
