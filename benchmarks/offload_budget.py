@@ -459,8 +459,9 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 torch.manual_seed(SEED + tokens)
                 ids = torch.randint(0, config.vocab_size, (1, tokens), device="cuda")
-                run = forward if step == "prefill" else forward_last
-                calls = {v: b.call or bind(run, b.model, ids) for v, b in built.items()}
+                keep = 1 if step == "prefill_last" else 0
+                calls = {v: b.call or bind(forward, b.model, ids, keep)
+                         for v, b in built.items()}
             times = timed(calls, args.rounds)
             step_rows = rows_of(step, tokens, times, built)
             peaks = {v: peak_mib(calls[v]) for v in models}
@@ -503,13 +504,6 @@ def main(argv: list[str] | None = None) -> int:
         print(n)
     save()
     return 1 if any(n.startswith("FAILED") for n in notes) else 0
-
-
-def forward_last(model: Any, ids: torch.Tensor) -> torch.Tensor:
-    """A prefill forward without a KV cache that computes the last position's logits only,
-    as ``generate``'s prefill does (``logits_to_keep=1``)."""
-    with torch.no_grad():
-        return model(ids, use_cache=False, logits_to_keep=1).logits
 
 
 def _call_ms(fn: Callable[[], Any], reps: int = 1) -> float:

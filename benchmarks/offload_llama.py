@@ -144,10 +144,12 @@ def decoder_linears(model: Any) -> list[list[torch.nn.Linear]]:
             for layer in model.model.layers]
 
 
-def forward(model: Any, ids: torch.Tensor) -> torch.Tensor:
-    """A prefill forward without a KV cache; the logits."""
+def forward(model: Any, ids: torch.Tensor, logits_to_keep: int = 0) -> torch.Tensor:
+    """A prefill forward without a KV cache; the logits (with ``logits_to_keep``, of the
+    last that many positions only, as ``generate``'s prefill keeps one)."""
+    keep = {"logits_to_keep": logits_to_keep} if logits_to_keep else {}
     with torch.no_grad():
-        return model(ids, use_cache=False).logits
+        return model(ids, use_cache=False, **keep).logits
 
 
 class DecodeStep:

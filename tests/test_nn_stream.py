@@ -140,10 +140,15 @@ def test_spans_run_across_linears_and_cut_weights_at_rows():
 
 
 def test_pieces_start_at_multiples_of_128_rows_where_copies_hold_that_many():
-    lays, _ = layouts([(1000, 1024)])  # 4 KiB rows; a copy holds 522 of them
-    plan = plan_stream(lays, [0], ring_bytes=10**7, copy_bytes=2 * 2**20 + 40 * 1024,
-                       bias_bytes=0)
-    assert [p.rows for p in plan.calls[0].pieces] == [(0, 512), (512, 1000)]
+    lays, _ = layouts([(100, 1024), (1000, 1024)])  # 4 KiB rows
+    plan = plan_stream(lays, [0, 1], ring_bytes=10**7, copy_bytes=2 * 2**20, bias_bytes=0)
+    assert [p.rows for p in plan.calls[1].pieces] == [(0, 384), (384, 896), (896, 1000)]
+    check_plan(plan, lays)
+    # A weight's rows that fit in what is left of the span stay whole, not cut at 128
+    # (a copy of 160 rows; 150 left after the first weight's 10; the second has 140).
+    lays, _ = layouts([(10, 1024), (140, 1024)])
+    plan = plan_stream(lays, [0, 1], ring_bytes=10**7, copy_bytes=160 * 4096, bias_bytes=0)
+    assert [(p.rows, p.span) for p in plan.calls[1].pieces] == [((0, 140), 0)]
     check_plan(plan, lays)
 
 
@@ -460,7 +465,7 @@ def test_the_callers_stream_waits_once_for_each_span_it_reads(rows, monkeypatch)
             waits.clear()
             torch.testing.assert_close(model(ids).logits, ref(ids).logits, rtol=1e-5,
                                        atol=1e-5)
-            assert len(waits) <= len(s.plan.spans)
+            assert len(waits) == len(s.plan.spans)  # each read, the first time
     pieces = sum(len(call.pieces) for call in s.plan.calls)
     assert pieces > len(s.plan.spans)  # some spans hold two Linears' weights
     monkeypatch.setattr(s, "settled", 10**9)  # every span taken as waited for

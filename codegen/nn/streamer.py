@@ -378,7 +378,6 @@ class Streamer:
         n = max(len(self.plan.spans), 1)
         self.lap = self.issued // n + 1
         self.issued = self.settled = self.lap * n
-        self.waited = None
         self.freed_lap = [self.lap - 1] * len(self.plan.spans)
         self.skip_before = self.lap
         self.cursor = 0
