@@ -449,12 +449,30 @@ def test_forwards_of_few_and_many_rows_match_the_original(rows, staging, copy_si
 def test_the_callers_stream_waits_once_for_each_span_it_reads(rows, monkeypatch):
     """Copies run in the order they were queued, so one wait orders the caller's stream
     after every copy queued before it: a span read by two pieces (a span across two
-    Linears) or the bias block read by every call is waited for once a forward. Every
-    read is still checked against its copy by the order check, which skipping one wait
-    too many trips."""
+    Linears) or the bias block read by every call is waited for once a forward, and a
+    merged run of pieces over several spans (a call of few rows) waits once, for its last
+    span. Every read is still checked against its copy by the order check, which skipping
+    one wait too many trips."""
+    from codegen.nn.streamer import MERGED_ROWS
+
     ref = tiny_llama(seed=5, max_positions=128)
     model = offloaded(ref, staging=90000, copy_size=40000)  # spans of two and more weights
     s = model._codegen_offload.streamer
+    # Where the stream must wait: at each GEMM (or the bias block) that reads a span past
+    # every span read before it in the forward.
+    expected, past = 0, -1
+    groups = s.merged_groups if rows <= MERGED_ROWS else s.piece_groups
+    for call, gemms in zip(s.plan.calls, groups):
+        reads = ([(call.bias_span,)] if call.bias_span is not None else []) + [
+            g[0] for g in gemms]
+        for spans in reads:
+            if max(spans) > past:
+                expected, past = expected + 1, max(spans)
+    assert past == len(s.plan.spans) - 1
+    if rows > MERGED_ROWS:
+        assert expected == len(s.plan.spans)  # a GEMM per piece: each span's first read
+    else:
+        assert expected < len(s.plan.spans)  # some run of pieces spans several copies
     waits: list[object] = []
     wait = s.backend.wait
     monkeypatch.setattr(s.backend, "wait", lambda stream, event: (
@@ -465,7 +483,7 @@ def test_the_callers_stream_waits_once_for_each_span_it_reads(rows, monkeypatch)
             waits.clear()
             torch.testing.assert_close(model(ids).logits, ref(ids).logits, rtol=1e-5,
                                        atol=1e-5)
-            assert len(waits) == len(s.plan.spans)  # each read, the first time
+            assert len(waits) == expected
     pieces = sum(len(call.pieces) for call in s.plan.calls)
     assert pieces > len(s.plan.spans)  # some spans hold two Linears' weights
     monkeypatch.setattr(s, "settled", 10**9)  # every span taken as waited for

@@ -35,11 +35,14 @@ from __future__ import annotations
 
 import argparse
 import bisect
+import collections
 import dataclasses
 import gc
 import re
 import statistics
 import time
+import warnings
+from typing import Any
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -53,7 +56,10 @@ IDLE_US = 3.0  # gaps shorter than this are launch spacing, not waiting
 
 
 def offloaded(config: str, layers: int) -> torch.nn.Module:
-    """The 8B-shaped model (``layers`` decoder layers) offloaded as ``config`` names it."""
+    """The 8B-shaped model (``layers`` decoder layers) offloaded as ``config`` names it
+    (``gpu``: not offloaded, every weight on the GPU)."""
+    if config == "gpu":
+        return build(config_8b(layers))
     row, _, copy_mib = config.partition("_c")
     match = re.fullmatch(ROW, f"codegen_{row}")
     if not match or (copy_mib and not copy_mib.isdigit()):
@@ -67,11 +73,14 @@ def offloaded(config: str, layers: int) -> torch.nn.Module:
                               copy_size=int(copy_mib) * 2**20 if copy_mib else None)
 
 
-CONDITIONS = ("as_is", "no_wait_probes", "wait_per_piece", "whole_weights")
+CONDITIONS = ("as_is", "no_wait_probes", "wait_per_piece", "whole_weights",
+              "frees_at_call_end")
 
 
 def condition(model: torch.nn.Module, name: str) -> None:
-    """Puts the offloaded model's streamer in condition ``name`` (see the docstring)."""
+    """Puts the offloaded model's streamer in condition ``name`` (see the docstring;
+    conditions joined by ``+`` apply together)."""
+    names = name.split("+")
     streamer = model._codegen_offload.streamer
     plans = streamer.__dict__.setdefault("probe_plans", {"packed": streamer.plan})
     if "whole" not in plans:
@@ -80,13 +89,14 @@ def condition(model: torch.nn.Module, name: str) -> None:
             plan_stream(plan.layouts, plan.order, plan.ring_bytes, plan.copy_bytes,
                         plan.bias_bytes, whole_weights=True),
             resident=plan.resident, budget=plan.budget, copy_gbps=plan.copy_gbps)
-    plan = plans["whole" if name == "whole_weights" else "packed"]
+    plan = plans["whole" if "whole_weights" in names else "packed"]
     if streamer.plan is not plan:  # as a new call order is learnt: the copies start over
         streamer._restart(streamer.backend.current())
         streamer._set_plan(plan)
-    streamer.probe_waits = name != "no_wait_probes"
+    streamer.probe_waits = "no_wait_probes" not in names
+    streamer.frees_at_call_end = "frees_at_call_end" in names
     streamer.__dict__.pop("_await_copies", None)
-    if name == "wait_per_piece":
+    if "wait_per_piece" in names:
         await_copies = type(streamer)._await_copies
 
         def each(stream: object, spans: object) -> None:
@@ -156,6 +166,89 @@ def part(t: float, tail: float, attention: list[float]) -> str:
     return "head" if layer < 0 else f"layer {layer}"
 
 
+SPIN_CYCLES = 1_500_000_000  # about a second of the GPU: longer than any forward's host time
+
+
+def host_issue(model: torch.nn.Module, ids: torch.Tensor) -> str:
+    """The host's time to queue one forward behind a second-long kernel (where nothing in
+    the forward waits for the GPU, that is the host's own cost), and the calls that made
+    it wait for the GPU (torch's sync debug mode), by source line."""
+    torch.cuda.synchronize()
+    torch.cuda._sleep(SPIN_CYCLES)
+    start = time.perf_counter()
+    model(ids, use_cache=False)
+    host = time.perf_counter() - start
+    torch.cuda.synchronize()
+    spin = time.perf_counter() - start
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            model(ids, use_cache=False)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    lines = collections.Counter(f"{w.filename.rsplit('/', 2)[-1]}:{w.lineno}" for w in caught
+                                if "synchroniz" in str(w.message).lower())
+    return (f"host queues a forward in {host * 1e3:.2f} ms behind a {spin * 1e3:.0f} ms "
+            f"kernel ({'it waited for the GPU' if host > spin / 2 else 'ahead of the GPU'}); "
+            f"synchronizing calls a forward: {sum(lines.values())}"
+            + (" (" + ", ".join(f"{k} x{v}" for k, v in lines.most_common(4)) + ")"
+               if lines else ""))
+
+
+def launched(prof: Any, stream: int, spacing: set[tuple[float, float]]) -> str:
+    """The compute stream's spacing between kernels (``spacing``: its idle stretches in
+    which no copy ended) split by when the host queued the kernel after each: *host late*
+    where its launch returned after the stream ran dry (the host was behind the GPU),
+    otherwise by what the host queued on any stream between the two kernels' launches: a
+    stream wait, an event record, or nothing."""
+    results = prof.profiler.kineto_results
+    t0 = results.trace_start_ns()
+    launch: dict[int, tuple[float, float]] = {}
+    calls: list[tuple[float, str]] = []
+    kernels: dict[float, tuple[int, str]] = {}
+    for e in results.events():
+        kind = e.activity_type()
+        if kind in ("cuda_runtime", "cuda_driver"):
+            at = ((e.start_ns() - t0) / 1e3, (e.end_ns() - t0) / 1e3)
+            launch[e.correlation_id()] = at
+            calls.append((at[0], e.name()))
+        elif kind == "kernel" and e.device_resource_id() == stream:
+            kernels[round((e.start_ns() - t0) / 1e3, 1)] = (e.correlation_id(), e.name())
+    if not launch:
+        return "    launches: the trace has no host-side CUDA calls"
+    calls.sort()
+    starts = sorted(kernels)
+    split: dict[str, list[tuple[float, float]]] = collections.defaultdict(list)
+    after: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+    for a, b in sorted(spacing):
+        i = bisect.bisect_left(starts, round(b, 1) - 0.15)
+        if i == len(starts) or abs(starts[i] - b) > 0.5:
+            split["kernel not matched"].append((a, b))
+            continue
+        correlation, name = kernels[starts[i]]
+        prior = kernels[starts[i - 1]][0] if i else None
+        mine, before = launch.get(correlation), launch.get(prior) if prior else None
+        if mine is None:
+            kind = "launch not traced"
+        elif mine[1] > a:
+            kind = "host late"
+        else:
+            lo = before[0] if before else mine[0] - 50.0
+            between = [n for t, n in calls[bisect.bisect_right(calls, (lo, "")):
+                                           bisect.bisect_left(calls, (mine[0], ""))]]
+            kind = ("after a stream wait" if any("WaitEvent" in n for n in between) else
+                    "after an event record" if any("EventRecord" in n for n in between)
+                    else "queued back to back")
+        split[kind].append((a, b))
+        after[kind][name[:40]] += 1
+    return "\n".join(
+        f"    spacing {kind}: {stretches(g)}; before " + ", ".join(
+            f"{n} x{c}" for n, c in after[kind].most_common(3))
+        for kind, g in sorted(split.items(), key=lambda kv: -sum(b - a for a, b in kv[1])))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.probes.budget_trace")
     parser.add_argument("--layers", type=int, default=32)
@@ -166,7 +259,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=4)
     args = parser.parse_args()
     names = [n for n in args.conditions.split(",") if n]
-    if unknown := [n for n in names if n not in CONDITIONS]:
+    if unknown := [p for n in names for p in n.split("+") if p not in CONDITIONS]:
         raise SystemExit(f"budget_trace: unknown conditions {unknown}; known: {CONDITIONS}")
     if not torch.cuda.is_available():
         raise SystemExit("budget_trace needs a CUDA GPU")
@@ -189,15 +282,20 @@ def main() -> None:
             end.record()
             torch.cuda.synchronize()
             forward_ms = start.elapsed_time(end) / 3
-            report = codegen.nn.report(model)
-            plan = codegen.nn.offload_plan(model)
-            print(f"{config}, {counts[0]} tokens: forward {forward_ms:.2f} ms untraced, copy "
-                  f"floor {report.copy_floor_ms:.2f} ms "
-                  f"({forward_ms / report.copy_floor_ms:.3f}x); host {host_ms:.2f} ms a "
-                  f"forward; resident {plan.resident_bytes / 2**20:.0f} MiB, streamed "
-                  f"{plan.streamed_bytes / 2**20:.0f} MiB, staging "
-                  f"{plan.staging_bytes / 2**20:.0f} MiB")
-            if names:
+            if config == "gpu":
+                print(f"{config}, {counts[0]} tokens: forward {forward_ms:.2f} ms untraced; "
+                      f"host {host_ms:.2f} ms a forward")
+            else:
+                report = codegen.nn.report(model)
+                plan = codegen.nn.offload_plan(model)
+                print(f"{config}, {counts[0]} tokens: forward {forward_ms:.2f} ms untraced, "
+                      f"copy floor {report.copy_floor_ms:.2f} ms "
+                      f"({forward_ms / report.copy_floor_ms:.3f}x); host {host_ms:.2f} ms a "
+                      f"forward; resident {plan.resident_bytes / 2**20:.0f} MiB, streamed "
+                      f"{plan.streamed_bytes / 2**20:.0f} MiB, staging "
+                      f"{plan.staging_bytes / 2**20:.0f} MiB")
+            print("  " + host_issue(model, ids))
+            if names and config != "gpu":
                 compare(model, ids, names, args.rounds)
                 for tokens in counts[1:]:
                     more = torch.randint(0, 32000, (1, tokens), device="cuda")
@@ -261,6 +359,7 @@ def main() -> None:
                 spacing = [g for g in gaps if g not in waited]
                 print("    of which waiting for a copy: " + stretches(waited)
                       + "; spacing between kernels: " + stretches(spacing))
+                print(launched(prof, compute, set(spacing)))
             for a, b in sorted(gaps, key=lambda g: g[0] - g[1])[:6]:
                 after = next((e.name[:48] for e in kernels if e.time_range.start >= b), "")
                 print(f"    {b - a:7.0f} µs idle in {part(a, tail, attention)}, then {after}")

@@ -279,6 +279,7 @@ class Streamer:
         self.versions = self._versions()
         self.probe_sets: list[list[Any]] = [[], []]
         self.probe_waits = True  # time each wait for a copy (the report's exposed_copy_ms)
+        self.frees_at_call_end = False  # a call's frees recorded after its last GEMM
         self.forwards = 0
         self.probe_used = 0
         self.now: ForwardCopies | None = None
@@ -410,15 +411,15 @@ class Streamer:
 
     def _await_copies(self, stream: Any, spans: Sequence[int]) -> None:
         """The caller's stream waits for the copies of ``spans`` of this lap (queued
-        first), timed as one wait. The copy stream runs its copies in the order they were
-        queued, so a wait for one copy orders ``stream`` after every copy queued before it
-        too: a span the stream has waited past (``waited``: the stream and the first index
-        it has not, this forward) needs no wait of its own, as a second piece of the same
-        span, or the bias block, finds."""
+        first), timed. The copy stream runs its copies in the order they were queued, so a
+        wait for one copy orders ``stream`` after every copy queued before it too: the
+        stream waits once, for the last queued of ``spans``, and a span it has waited past
+        (``waited``: the stream and the first index it has not, this forward) needs no
+        wait of its own, as a second piece of the same span, or the bias block, finds."""
         n = len(self.plan.spans)
         key = self.backend.key(stream)
         past = self.waited[1] if self.waited is not None and self.waited[0] == key else 0
-        waits, last = [], -1
+        last = -1
         for j in spans:
             index = self.lap * n + j
             if self.issued <= index:
@@ -428,9 +429,8 @@ class Streamer:
                                     "copied before the call that reads it (a plan whose waits "
                                     "need a later reader; bug)")
             if index >= max(self.settled, past):
-                waits.append(j)
                 last = max(last, index)
-        if not waits:
+        if last < 0:
             return
         self.waited = (key, max(last + 1, past))
         probe = self.probe_waits and self.now is not None and not self.capturing and isinstance(
@@ -438,8 +438,7 @@ class Streamer:
         if probe:
             before = self._probe_event()
             self.backend.record(before, stream)
-        for j in waits:
-            self.backend.wait(stream, self.copied[j])
+        self.backend.wait(stream, self.copied[last % n])  # the others were queued before it
         if probe:
             after = self._probe_event()
             self.backend.record(after, stream)
@@ -552,9 +551,8 @@ class Streamer:
                 torch.mm(x, w.t(), out=out[:, r0:r1])  # type: ignore[index]
             else:
                 torch.addmm(b, x, w.t(), out=out[:, r0:r1])  # type: ignore[index]
-            for j in frees:
-                self.backend.record(self.freed[j], stream)
-                self.freed_lap[j] = self.lap
+            if not self.frees_at_call_end:
+                self._free(stream, frees)
             if self.now is not None:
                 for j in (*spans, call.bias_span):
                     if j is not None and (self.lap, j) not in self.now.read:
@@ -562,10 +560,20 @@ class Streamer:
                         self.now.copies += 1
                         self.now.bytes += self.plan.spans[j].nbytes
             self._pump()
+        if self.frees_at_call_end:
+            self._free(stream, [j for g in groups for j in g[-1]])
+            self._pump()
         if self.now is not None:
             self.now.planned_calls += 1
         self._advance()
         return out
+
+    def _free(self, stream: Any, spans: Sequence[int]) -> None:
+        """``spans``' last reads of this lap are queued on ``stream``: the copies that
+        overwrite their ring bytes may follow."""
+        for j in spans:
+            self.backend.record(self.freed[j], stream)
+            self.freed_lap[j] = self.lap
 
     def _advance(self) -> None:
         """The plan's next call; after the last one, the next lap's."""
