@@ -20,7 +20,9 @@ spacing between kernels (none did: events, waits and launches).
 ``no_wait_probes``, without the timing events around each wait for a copy (the report's
 ``exposed_copy_ms``); ``wait_per_piece``, the caller's stream waiting for its span at
 every GEMM piece, as the streamer did before it waited once for each span a forward;
-``whole_weights``, the copy plan with spans that hold whole weights where they fit
+``frees_at_call_end``, a call's spans freed (their events recorded) after its last GEMM
+rather than after each piece; ``wait_at_call_start``, one wait for all of a call's spans
+before its first GEMM; ``whole_weights``, the copy plan with spans that hold whole weights where they fit
 (``plan_stream(..., whole_weights=True)``: only weights larger than a copy are cut, so
 fewer GEMM pieces, against spans packed to the copy size across weights).
 With ``--tokens 4096,1`` each config is timed at each token count (a one-token forward
@@ -74,7 +76,7 @@ def offloaded(config: str, layers: int) -> torch.nn.Module:
 
 
 CONDITIONS = ("as_is", "no_wait_probes", "wait_per_piece", "whole_weights",
-              "frees_at_call_end")
+              "frees_at_call_end", "wait_at_call_start")
 
 
 def condition(model: torch.nn.Module, name: str) -> None:
@@ -95,6 +97,7 @@ def condition(model: torch.nn.Module, name: str) -> None:
         streamer._set_plan(plan)
     streamer.probe_waits = "no_wait_probes" not in names
     streamer.frees_at_call_end = "frees_at_call_end" in names
+    streamer.wait_at_call_start = "wait_at_call_start" in names
     streamer.__dict__.pop("_await_copies", None)
     if "wait_per_piece" in names:
         await_copies = type(streamer)._await_copies

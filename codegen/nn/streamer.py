@@ -280,6 +280,7 @@ class Streamer:
         self.probe_sets: list[list[Any]] = [[], []]
         self.probe_waits = True  # time each wait for a copy (the report's exposed_copy_ms)
         self.frees_at_call_end = False  # a call's frees recorded after its last GEMM
+        self.wait_at_call_start = False  # one wait, for a call's last span, before its GEMMs
         self.forwards = 0
         self.probe_used = 0
         self.now: ForwardCopies | None = None
@@ -536,7 +537,10 @@ class Streamer:
                   else self.piece_groups)[self.cursor]
         single = len(groups) == 1
         out = None if single else x.new_empty(x.shape[0], lay.out_features)
-        if call.bias_span is not None:
+        if self.wait_at_call_start:
+            self._await_copies(stream, [j for g in groups for j in g[0]]
+                               + ([call.bias_span] if call.bias_span is not None else []))
+        elif call.bias_span is not None:
             self._await_copies(stream, (call.bias_span,))
         for spans, w, b, lo, hi, b_lo, b_hi, r0, r1, frees in groups:
             self._await_copies(stream, spans)
