@@ -22,9 +22,10 @@ spacing between kernels (none did: events, waits and launches).
 every GEMM piece, as the streamer did before it waited once for each span a forward;
 ``frees_at_call_end``, a call's spans freed (their events recorded) after its last GEMM
 rather than after each piece; ``wait_at_call_start``, one wait for all of a call's spans
-before its first GEMM; ``whole_weights``, the copy plan with spans that hold whole weights where they fit
-(``plan_stream(..., whole_weights=True)``: only weights larger than a copy are cut, so
-fewer GEMM pieces, against spans packed to the copy size across weights).
+before its first GEMM; ``whole_weights``, the copy plan with spans that hold whole
+weights where they fit (``plan_stream(..., whole_weights=True)``: only weights larger than
+a copy are cut, so fewer GEMM pieces, against spans packed to the copy size across
+weights).
 With ``--tokens 4096,1`` each config is timed at each token count (a one-token forward
 streams as a decode step does); the trace is of the first.
 
