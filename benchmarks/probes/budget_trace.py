@@ -213,12 +213,12 @@ def launched(prof: Any, stream: int, spacing: set[tuple[float, float]]) -> str:
     calls: list[tuple[float, str]] = []
     kernels: dict[float, tuple[int, str]] = {}
     for e in results.events():
-        kind = e.activity_type()
-        if kind in ("cuda_runtime", "cuda_driver"):
-            at = ((e.start_ns() - t0) / 1e3, (e.end_ns() - t0) / 1e3)
+        name, on_gpu = e.name(), e.device_type() == torch.autograd.DeviceType.CUDA
+        if not on_gpu and e.correlation_id() and name.startswith("cu"):  # a CUDA API call
+            at = ((e.start_ns() - t0) / 1e3, (e.start_ns() + e.duration_ns() - t0) / 1e3)
             launch[e.correlation_id()] = at
-            calls.append((at[0], e.name()))
-        elif kind == "kernel" and e.device_resource_id() == stream:
+            calls.append((at[0], name))
+        elif on_gpu and e.device_resource_id() == stream and "Memcpy" not in name:
             kernels[round((e.start_ns() - t0) / 1e3, 1)] = (e.correlation_id(), e.name())
     if not launch:
         return "    launches: the trace has no host-side CUDA calls"
