@@ -218,7 +218,7 @@ def launched(prof: Any, stream: int, spacing: set[tuple[float, float]]) -> str:
             at = ((e.start_ns() - t0) / 1e3, (e.start_ns() + e.duration_ns() - t0) / 1e3)
             launch[e.correlation_id()] = at
             calls.append((at[0], name))
-        elif on_gpu and e.device_resource_id() == stream and "Memcpy" not in name:
+        elif on_gpu and "Memcpy" not in name and "Memset" not in name:
             kernels[round((e.start_ns() - t0) / 1e3, 1)] = (e.correlation_id(), e.name())
     if not launch:
         return "    launches: the trace has no host-side CUDA calls"
