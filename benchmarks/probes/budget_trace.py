@@ -22,7 +22,10 @@ spacing between kernels (none did: events, waits and launches).
 every GEMM piece, as the streamer did before it waited once for each span a forward;
 ``frees_at_call_end``, a call's spans freed (their events recorded) after its last GEMM
 rather than after each piece; ``wait_at_call_start``, one wait for all of a call's spans
-before its first GEMM; ``whole_weights``, the copy plan with spans that hold whole
+before its first GEMM; ``merged``, every call's pieces merged into a GEMM per run back
+to back in the ring, as a call of few rows runs; ``unordered``, for timing only, no waits
+between the streams at all (reads race their copies: the logits are wrong), what the
+ordering costs; ``whole_weights``, the copy plan with spans that hold whole
 weights where they fit (``plan_stream(..., whole_weights=True)``: only weights larger than
 a copy are cut, so fewer GEMM pieces, against spans packed to the copy size across
 weights).
@@ -51,8 +54,10 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import codegen.nn
+import codegen.nn.streamer as streamer_module
 from benchmarks.common import ROW, budget_and_staging, build, config_8b, is_decoder_linear
 from codegen.nn.plan import plan_stream
+from codegen.nn.streamer import MERGED_ROWS
 
 MARK_CYCLES = 1000  # the marker kernel's spin: about a microsecond
 IDLE_US = 3.0  # gaps shorter than this are launch spacing, not waiting
@@ -77,7 +82,7 @@ def offloaded(config: str, layers: int) -> torch.nn.Module:
 
 
 CONDITIONS = ("as_is", "no_wait_probes", "wait_per_piece", "whole_weights",
-              "frees_at_call_end", "wait_at_call_start")
+              "frees_at_call_end", "wait_at_call_start", "merged", "unordered")
 
 
 def condition(model: torch.nn.Module, name: str) -> None:
@@ -100,6 +105,11 @@ def condition(model: torch.nn.Module, name: str) -> None:
     streamer.frees_at_call_end = "frees_at_call_end" in names
     streamer.wait_at_call_start = "wait_at_call_start" in names
     streamer.__dict__.pop("_await_copies", None)
+    streamer.backend.__dict__.pop("wait", None)
+    streamer_module.MERGED_ROWS = 1 << 30 if "merged" in names else MERGED_ROWS
+    if "unordered" in names:  # timing only: reads race their copies, the values are wrong
+        streamer._await_copies = lambda stream, spans: None
+        streamer.backend.wait = lambda stream, event: None
     if "wait_per_piece" in names:
         await_copies = type(streamer)._await_copies
 
