@@ -44,6 +44,7 @@ import bisect
 import collections
 import dataclasses
 import gc
+import math
 import re
 import statistics
 import time
@@ -236,6 +237,7 @@ def launched(prof: Any, stream: int, spacing: set[tuple[float, float]]) -> str:
     starts = sorted(kernels)
     split: dict[str, list[tuple[float, float]]] = collections.defaultdict(list)
     after: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+    lead: dict[str, list[float]] = collections.defaultdict(list)
     for a, b in sorted(spacing):
         i = bisect.bisect_left(starts, round(b, 1) - 0.15)
         if i == len(starts) or abs(starts[i] - b) > 0.5:
@@ -257,8 +259,12 @@ def launched(prof: Any, stream: int, spacing: set[tuple[float, float]]) -> str:
                     else "queued back to back")
         split[kind].append((a, b))
         after[kind][name[:40]] += 1
+        if mine is not None:
+            lead[kind].append(a - mine[1])
     return "\n".join(
-        f"    spacing {kind}: {stretches(g)}; before " + ", ".join(
+        f"    spacing {kind}: {stretches(g)}; the launch returned a median "
+        f"{statistics.median(lead[kind]) if lead[kind] else math.nan:.1f} µs before the "
+        "stream ran dry; before " + ", ".join(
             f"{n} x{c}" for n, c in after[kind].most_common(3))
         for kind, g in sorted(split.items(), key=lambda kv: -sum(b - a for a, b in kv[1])))
 
