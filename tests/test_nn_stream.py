@@ -517,3 +517,28 @@ def test_coarser_waits_and_frees_keep_every_read_ordered(knob, monkeypatch):
         assert len(waits) <= len(calls) < len(s.plan.spans)
     else:
         assert len(waits) == len(s.plan.spans)
+
+
+@pytest.mark.parametrize("rows", [1, 65])
+def test_copies_wait_once_for_frees_a_later_wait_covers(rows, monkeypatch):
+    """With coalesce_copy_waits a copy waits only for the last recorded of the frees it
+    needs from a stream, and not at all where the copy stream waited for a later free of
+    that stream already: fewer waits, the same logits, every ring write still checked
+    against the reads it overwrites by the order check."""
+    ref = tiny_llama(seed=8, max_positions=128)
+    counts = {}
+    for coalesce in (False, True):
+        model = offloaded(ref, staging=60000, copy_size=8000)  # a ring of few copies
+        s = model._codegen_offload.streamer
+        s.coalesce_copy_waits = coalesce
+        waits: list[object] = []
+        wait = s.backend.wait
+        monkeypatch.setattr(s.backend, "wait", lambda stream, event, waits=waits, wait=wait: (
+            waits.append(stream) if stream == "copy" else None, wait(stream, event)))
+        ids = torch.randint(0, 97, (1, rows))
+        with torch.no_grad():
+            for _ in range(3):
+                torch.testing.assert_close(model(ids).logits, ref(ids).logits, rtol=1e-5,
+                                           atol=1e-5)
+        counts[coalesce] = len(waits)
+    assert 0 < counts[True] < counts[False]

@@ -23,9 +23,12 @@ every GEMM piece, as the streamer did before it waited once for each span a forw
 ``frees_at_call_end``, a call's spans freed (their events recorded) after its last GEMM
 rather than after each piece; ``wait_at_call_start``, one wait for all of a call's spans
 before its first GEMM; ``merged``, every call's pieces merged into a GEMM per run back
-to back in the ring, as a call of few rows runs; ``unordered``, for timing only, no waits
-between the streams at all (reads race their copies: the logits are wrong), what the
-ordering costs; ``whole_weights``, the copy plan with spans that hold whole
+to back in the ring, as a call of few rows runs; ``coalesced_copy_waits``, each copy
+waiting only for the last recorded of the frees it needs (``Streamer.coalesce_copy_waits``);
+for timing only, what the ordering costs: ``unordered``, no waits between the streams at
+all, ``unordered_reads``, no waits of the GEMMs for their copies, ``unordered_copies``, no
+waits of the copies for the reads of the bytes they overwrite (the logits are wrong);
+``whole_weights``, the copy plan with spans that hold whole
 weights where they fit (``plan_stream(..., whole_weights=True)``: only weights larger than
 a copy are cut, so fewer GEMM pieces, against spans packed to the copy size across
 weights).
@@ -83,7 +86,8 @@ def offloaded(config: str, layers: int) -> torch.nn.Module:
 
 
 CONDITIONS = ("as_is", "no_wait_probes", "wait_per_piece", "whole_weights",
-              "frees_at_call_end", "wait_at_call_start", "merged", "unordered")
+              "frees_at_call_end", "wait_at_call_start", "merged", "coalesced_copy_waits",
+              "unordered", "unordered_copies", "unordered_reads")
 
 
 def condition(model: torch.nn.Module, name: str) -> None:
@@ -108,9 +112,15 @@ def condition(model: torch.nn.Module, name: str) -> None:
     streamer.__dict__.pop("_await_copies", None)
     streamer.backend.__dict__.pop("wait", None)
     streamer_module.MERGED_ROWS = 1 << 30 if "merged" in names else MERGED_ROWS
-    if "unordered" in names:  # timing only: reads race their copies, the values are wrong
+    streamer.coalesce_copy_waits = "coalesced_copy_waits" in names
+    # Timing only: reads race their copies (or copies the reads they overwrite), so the
+    # values are wrong.
+    if "unordered" in names or "unordered_reads" in names:
         streamer._await_copies = lambda stream, spans: None
-        streamer.backend.wait = lambda stream, event: None
+    if "unordered" in names or "unordered_copies" in names:
+        wait, copies = type(streamer.backend).wait, streamer.backend.copy_stream
+        streamer.backend.wait = lambda stream, event: (
+            None if stream is copies else wait(streamer.backend, stream, event))
     if "wait_per_piece" in names:
         await_copies = type(streamer)._await_copies
 

@@ -281,6 +281,7 @@ class Streamer:
         self.probe_waits = True  # time each wait for a copy (the report's exposed_copy_ms)
         self.frees_at_call_end = False  # a call's frees recorded after its last GEMM
         self.wait_at_call_start = False  # one wait, for a call's last span, before its GEMMs
+        self.coalesce_copy_waits = False  # see _copy_waits
         self.forwards = 0
         self.probe_used = 0
         self.now: ForwardCopies | None = None
@@ -298,6 +299,9 @@ class Streamer:
         self.issued = 0  # spans queued, over every lap (lap * n + span)
         self.settled = 0  # spans queued before this one need no wait for their copy
         self.waited: tuple[Any, int] | None = None  # (stream, index): see _await_copies
+        self.records = 0  # frees recorded, numbered in the order they were queued
+        self.freed_at: dict[int, tuple[Any, int]] = {}  # span -> (stream, number) of its free
+        self.copy_waited: dict[Any, int] = {}  # stream -> the last free the copies waited for
         self.skip_before = 0  # frees recorded in laps before this one need no wait
         self.off_plan = False  # this forward left the plan: its other calls run unplanned
         self.observed: list[int] = []
@@ -383,6 +387,7 @@ class Streamer:
         self.freed_lap = [self.lap - 1] * len(self.plan.spans)
         self.skip_before = self.lap
         self.cursor = 0
+        self.copy_waited = {}
 
     # -------------------------------------------------------------------- copies
     def _pump(self) -> None:
@@ -392,11 +397,33 @@ class Streamer:
         if ready:
             with self.backend.copying():  # one switch of the current stream for the batch
                 for j, lap in ready:
-                    for k, d in self.plan.spans[j].waits:
-                        if lap + d >= self.skip_before:
-                            self.backend.wait(self.backend.copy_stream, self.freed[k])
+                    for k in self._copy_waits(j, lap):
+                        self.backend.wait(self.backend.copy_stream, self.freed[k])
                     self.backend.copy(*self.span_views[j])
                     self.backend.record(self.copied[j], self.backend.copy_stream)
+
+    def _copy_waits(self, j: int, lap: int) -> list[int]:
+        """The frees the copy of span ``j`` (of ``lap``) waits for: the last readers of the
+        ring bytes it overwrites, recorded in this or the last lap. A stream runs its work
+        in the order it was queued, so with ``coalesce_copy_waits`` the copy waits once per
+        stream that recorded them, for the last recorded, and not at all where the copy
+        stream has waited for a later record of that stream already (``copy_waited``)."""
+        frees = [k for k, d in self.plan.spans[j].waits if lap + d >= self.skip_before]
+        if not self.coalesce_copy_waits:
+            return frees
+        latest: dict[Any, tuple[int, int]] = {}  # stream -> (record number, span)
+        waits = []
+        for k in frees:
+            if k not in self.freed_at:  # recorded where the streamer cannot tell
+                waits.append(k)
+                continue
+            key, number = self.freed_at[k]
+            if number > max(self.copy_waited.get(key, 0), latest.get(key, (0, 0))[0]):
+                latest[key] = (number, k)
+        for key, (number, k) in latest.items():
+            self.copy_waited[key] = number
+            waits.append(k)
+        return waits
 
     def _ready(self) -> list[tuple[int, int]]:
         """The copies ``_pump`` queues now, as (span, lap), counted as queued."""
@@ -479,6 +506,7 @@ class Streamer:
             self._restart(stream)
         self.capturing = capturing
         self.waited = None  # a forward's waits order only its own stream's later work
+        self.copy_waited = {}  # nor does a capture inherit the copies' waits before it
         self.off_plan = False
         self.observed = []
         self.forwards += 1
@@ -575,9 +603,12 @@ class Streamer:
     def _free(self, stream: Any, spans: Sequence[int]) -> None:
         """``spans``' last reads of this lap are queued on ``stream``: the copies that
         overwrite their ring bytes may follow."""
+        key = self.backend.key(stream)
         for j in spans:
             self.backend.record(self.freed[j], stream)
             self.freed_lap[j] = self.lap
+            self.records += 1
+            self.freed_at[j] = (key, self.records)
 
     def _advance(self) -> None:
         """The plan's next call; after the last one, the next lap's."""
