@@ -3,7 +3,8 @@ model under a GPU budget?
 
 For each ``--configs`` entry (``p<percent>`` of the offloadable bytes as ``gpu_budget``,
 then optionally ``_fp8`` / ``_int4`` and ``_s<MiB>`` of staging, as ``offload_budget``
-names its rows, and ``_c<MiB>``, the copy size) the model is offloaded and three prefills
+names its rows, and ``_c<MiB>``, the copy size; ``gpu``: the model not offloaded, every
+weight on the GPU, to compare with) the model is offloaded and three prefills
 of ``--tokens`` run back to back under the profiler. A marker kernel on the compute stream
 opens each forward and another its tail (the final norm and lm_head), and the attention
 kernels count the decoder layers, so every idle stretch of either engine is placed: before
@@ -13,7 +14,10 @@ to back: the GPU's time where something in a forward waits for the GPU, as it di
 H100 with transformers 5); then, for the middle traced forward, each engine's busy and
 idle time by part, and the longest idle stretches with the layer they fell in. The compute
 stream's idle time is split into waits for a copy (a copy ended inside the stretch) and
-spacing between kernels (none did: events, waits and launches).
+spacing between kernels (none did: events, waits and launches), and the spacing by when
+the host queued the kernel after each stretch (``launched``). Before the trace, the host's
+time to queue one forward behind a second-long kernel and the calls in a forward that
+synchronize with the GPU (torch's sync debug mode), by source line.
 
 ``--conditions`` times the prefill under each named condition, interleaved over
 ``--rounds`` (the order rotated each round, medians printed): ``as_is``;
