@@ -520,17 +520,22 @@ def test_coarser_waits_and_frees_keep_every_read_ordered(knob, monkeypatch):
 
 
 @pytest.mark.parametrize("rows", [1, 65])
-def test_copies_wait_once_for_frees_a_later_wait_covers(rows, monkeypatch):
+@pytest.mark.parametrize("stride", [1, 2, 3])
+def test_copies_wait_once_for_frees_a_later_wait_covers(rows, stride, monkeypatch):
     """With coalesce_copy_waits a copy waits only for the last recorded of the frees it
     needs from a stream, and not at all where the copy stream waited for a later free of
-    that stream already: fewer waits, the same logits, every ring write still checked
-    against the reads it overwrites by the order check."""
+    that stream already; with copy_wait_stride, copies are queued in groups after one
+    such wait for all of them (fewer still, and a ring of two copies, where a group's
+    second copy overwrites what its first one's reader frees, still runs): fewer waits,
+    the same logits, every ring write still checked against the reads it overwrites by
+    the order check."""
     ref = tiny_llama(seed=8, max_positions=128)
     counts = {}
     for coalesce in (False, True):
         model = offloaded(ref, staging=60000, copy_size=8000)  # a ring of few copies
         s = model._codegen_offload.streamer
         s.coalesce_copy_waits = coalesce
+        s.copy_wait_stride = stride if coalesce else 1
         waits: list[object] = []
         wait = s.backend.wait
         monkeypatch.setattr(s.backend, "wait", lambda stream, event, waits=waits, wait=wait: (
@@ -542,3 +547,12 @@ def test_copies_wait_once_for_frees_a_later_wait_covers(rows, monkeypatch):
                                            atol=1e-5)
         counts[coalesce] = len(waits)
     assert 0 < counts[True] < counts[False]
+    if stride > 1:
+        assert counts[True] * stride < counts[False] * 1.5
+    two = offloaded(ref, staging=2 * 8000 + 1024, copy_size=8000)  # a ring of two copies
+    s = two._codegen_offload.streamer
+    s.copy_wait_stride = stride
+    with torch.no_grad():
+        for _ in range(3):
+            torch.testing.assert_close(two(ids).logits, ref(ids).logits, rtol=1e-5,
+                                       atol=1e-5)

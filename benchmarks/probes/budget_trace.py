@@ -28,7 +28,10 @@ every GEMM piece, as the streamer did before it waited once for each span a forw
 rather than after each piece; ``wait_at_call_start``, one wait for all of a call's spans
 before its first GEMM; ``merged``, every call's pieces merged into a GEMM per run back
 to back in the ring, as a call of few rows runs; ``coalesced_copy_waits``, each copy
-waiting only for the last recorded of the frees it needs (``Streamer.coalesce_copy_waits``);
+waiting only for the last recorded of the frees it needs
+(``Streamer.coalesce_copy_waits``); ``copy_waits_every_2`` (``_3``), copies queued in
+groups of two (three) after one wait for all their frees (``Streamer.copy_wait_stride``:
+fewer waits of the copy stream, one copy (two) less lookahead);
 for timing only, what the ordering costs: ``unordered``, no waits between the streams at
 all, ``unordered_reads``, no waits of the GEMMs for their copies, ``unordered_copies``, no
 waits of the copies for the reads of the bytes they overwrite (the logits are wrong);
@@ -91,7 +94,8 @@ def offloaded(config: str, layers: int) -> torch.nn.Module:
 
 CONDITIONS = ("as_is", "no_wait_probes", "wait_per_piece", "whole_weights",
               "frees_at_call_end", "wait_at_call_start", "merged", "coalesced_copy_waits",
-              "unordered", "unordered_copies", "unordered_reads")
+              "copy_waits_every_2", "copy_waits_every_3", "unordered", "unordered_copies",
+              "unordered_reads")
 
 
 def condition(model: torch.nn.Module, name: str) -> None:
@@ -116,7 +120,9 @@ def condition(model: torch.nn.Module, name: str) -> None:
     streamer.__dict__.pop("_await_copies", None)
     streamer.backend.__dict__.pop("wait", None)
     streamer_module.MERGED_ROWS = 1 << 30 if "merged" in names else MERGED_ROWS
-    streamer.coalesce_copy_waits = "coalesced_copy_waits" in names
+    stride = next((int(n[-1]) for n in names if n.startswith("copy_waits_every_")), 1)
+    streamer.copy_wait_stride = stride
+    streamer.coalesce_copy_waits = "coalesced_copy_waits" in names or stride > 1
     # Timing only: reads race their copies (or copies the reads they overwrite), so the
     # values are wrong.
     if "unordered" in names or "unordered_reads" in names:

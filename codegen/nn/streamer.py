@@ -282,6 +282,7 @@ class Streamer:
         self.frees_at_call_end = False  # a call's frees recorded after its last GEMM
         self.wait_at_call_start = False  # one wait, for a call's last span, before its GEMMs
         self.coalesce_copy_waits = False  # see _copy_waits
+        self.copy_wait_stride = 1  # copies queued per wait for frees (see _pump)
         self.forwards = 0
         self.probe_used = 0
         self.now: ForwardCopies | None = None
@@ -390,26 +391,31 @@ class Streamer:
         self.copy_waited = {}
 
     # -------------------------------------------------------------------- copies
-    def _pump(self) -> None:
+    def _pump(self, force: bool = False) -> None:
         """Queues every copy whose waits have all been recorded, in plan order, up to the
-        end of the next lap."""
-        ready = self._ready()
+        end of the next lap: in groups of ``copy_wait_stride`` copies, each group after
+        one wait (``_copy_waits``); with ``force`` the ready copies of a group that is not
+        whole yet too (a read needs them, or the lap ends)."""
+        ready = self._ready(force)
         if ready:
             with self.backend.copying():  # one switch of the current stream for the batch
-                for j, lap in ready:
-                    for k in self._copy_waits(j, lap):
+                for group in ready:
+                    for k in self._copy_waits(group):
                         self.backend.wait(self.backend.copy_stream, self.freed[k])
-                    self.backend.copy(*self.span_views[j])
-                    self.backend.record(self.copied[j], self.backend.copy_stream)
+                    for j, _ in group:
+                        self.backend.copy(*self.span_views[j])
+                        self.backend.record(self.copied[j], self.backend.copy_stream)
 
-    def _copy_waits(self, j: int, lap: int) -> list[int]:
-        """The frees the copy of span ``j`` (of ``lap``) waits for: the last readers of the
-        ring bytes it overwrites, recorded in this or the last lap. A stream runs its work
-        in the order it was queued, so with ``coalesce_copy_waits`` the copy waits once per
-        stream that recorded them, for the last recorded, and not at all where the copy
-        stream has waited for a later record of that stream already (``copy_waited``)."""
-        frees = [k for k, d in self.plan.spans[j].waits if lap + d >= self.skip_before]
-        if not self.coalesce_copy_waits:
+    def _copy_waits(self, group: Sequence[tuple[int, int]]) -> list[int]:
+        """The frees the copies of ``group`` ((span, lap) pairs, queued back to back) wait
+        for: the last readers of the ring bytes they overwrite, recorded in this or the
+        last lap. A stream runs its work in the order it was queued, so a group of several
+        copies, or any with ``coalesce_copy_waits``, waits once per stream that recorded
+        them, for the last recorded, and not at all where the copy stream has waited for
+        a later record of that stream already (``copy_waited``)."""
+        frees = [k for j, lap in group for k, d in self.plan.spans[j].waits
+                 if lap + d >= self.skip_before]
+        if not self.coalesce_copy_waits and len(group) == 1:
             return frees
         latest: dict[Any, tuple[int, int]] = {}  # stream -> (record number, span)
         waits = []
@@ -425,16 +431,24 @@ class Streamer:
             waits.append(k)
         return waits
 
-    def _ready(self) -> list[tuple[int, int]]:
-        """The copies ``_pump`` queues now, as (span, lap), counted as queued."""
+    def _ready(self, force: bool = False) -> list[list[tuple[int, int]]]:
+        """The copies ``_pump`` queues now, as groups of (span, lap) within a lap, counted
+        as queued: a group once all its copies' waits are recorded (with ``force``, its
+        ready copies)."""
         n = len(self.plan.spans)
         ready = []
         while self.issued < (self.lap + 2) * n:
-            lap, j = divmod(self.issued, n)
-            if any(self.freed_lap[k] < lap + d for k, d in self.plan.spans[j].waits):
+            lap, first = divmod(self.issued, n)
+            group = []
+            for j in range(first, min(first + self.copy_wait_stride, n)):
+                if any(self.freed_lap[k] < lap + d for k, d in self.plan.spans[j].waits):
+                    break
+                group.append((j, lap))
+            if not group or (len(group) < min(self.copy_wait_stride, n - first)
+                             and not force):
                 break
-            ready.append((j, lap))
-            self.issued += 1
+            ready.append(group)
+            self.issued += len(group)
         return ready
 
     def _await_copies(self, stream: Any, spans: Sequence[int]) -> None:
@@ -451,7 +465,7 @@ class Streamer:
         for j in spans:
             index = self.lap * n + j
             if self.issued <= index:
-                self._pump()
+                self._pump(force=True)
             if self.issued <= index:
                 raise InternalError(f"codegen.nn.offload: span {j} of lap {self.lap} cannot be "
                                     "copied before the call that reads it (a plan whose waits "
@@ -616,7 +630,7 @@ class Streamer:
         if self.cursor == len(self.plan.calls):
             self.lap += 1
             self.cursor = 0
-            self._pump()
+            self._pump(force=True)
 
     def unplanned(self, x: torch.Tensor, weight: torch.Tensor,
                   bias: torch.Tensor | None, linear: int | None = None) -> torch.Tensor:
