@@ -24,14 +24,12 @@ synchronize with the GPU (torch's sync debug mode), by source line.
 ``no_wait_probes``, without the timing events around each wait for a copy (the report's
 ``exposed_copy_ms``); ``wait_per_piece``, the caller's stream waiting for its span at
 every GEMM piece, as the streamer did before it waited once for each span a forward;
-``frees_at_call_end``, a call's spans freed (their events recorded) after its last GEMM
-rather than after each piece; ``wait_at_call_start``, one wait for all of a call's spans
-before its first GEMM; ``merged``, every call's pieces merged into a GEMM per run back
-to back in the ring, as a call of few rows runs; ``coalesced_copy_waits``, each copy
+``merged``, every call's pieces merged into a GEMM per run back to back in the ring, as
+a call of few rows runs; ``coalesced_copy_waits``, each copy
 waiting only for the last recorded of the frees it needs
 (``Streamer.coalesce_copy_waits``); ``copy_waits_every_2`` (``_3``), copies queued in
-groups of two (three) after one wait for all their frees (``Streamer.copy_wait_stride``:
-fewer waits of the copy stream, one copy (two) less lookahead);
+groups of two (three) after one wait for all their frees (``Streamer.copy_wait_stride``,
+with coalescing: fewer waits of the copy stream, one copy (two) less lookahead);
 for timing only, what the ordering costs: ``unordered``, no waits between the streams at
 all, ``unordered_reads``, no waits of the GEMMs for their copies, ``unordered_copies``, no
 waits of the copies for the reads of the bytes they overwrite (the logits are wrong);
@@ -93,7 +91,7 @@ def offloaded(config: str, layers: int) -> torch.nn.Module:
 
 
 CONDITIONS = ("as_is", "no_wait_probes", "wait_per_piece", "whole_weights",
-              "frees_at_call_end", "wait_at_call_start", "merged", "coalesced_copy_waits",
+              "merged", "coalesced_copy_waits",
               "copy_waits_every_2", "copy_waits_every_3", "unordered", "unordered_copies",
               "unordered_reads")
 
@@ -115,8 +113,6 @@ def condition(model: torch.nn.Module, name: str) -> None:
         streamer._restart(streamer.backend.current())
         streamer._set_plan(plan)
     streamer.probe_waits = "no_wait_probes" not in names
-    streamer.frees_at_call_end = "frees_at_call_end" in names
-    streamer.wait_at_call_start = "wait_at_call_start" in names
     streamer.__dict__.pop("_await_copies", None)
     streamer.backend.__dict__.pop("wait", None)
     streamer_module.MERGED_ROWS = 1 << 30 if "merged" in names else MERGED_ROWS
@@ -126,7 +122,10 @@ def condition(model: torch.nn.Module, name: str) -> None:
     # Timing only: reads race their copies (or copies the reads they overwrite), so the
     # values are wrong.
     if "unordered" in names or "unordered_reads" in names:
-        streamer._await_copies = lambda stream, spans: None
+        def queued(stream: object, spans: list[int]) -> None:  # queued, not waited for
+            if streamer.issued <= streamer.lap * len(streamer.plan.spans) + max(spans):
+                streamer._pump(force=True)
+        streamer._await_copies = queued
     if "unordered" in names or "unordered_copies" in names:
         wait, copies = type(streamer.backend).wait, streamer.backend.copy_stream
         streamer.backend.wait = lambda stream, event: (

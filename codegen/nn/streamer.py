@@ -3,15 +3,17 @@ on a copy stream, into the staging ring, ahead of the GEMM pieces that read them
 
 The host drives it, call by call, as the forward runs. Each Linear call waits (on the GPU)
 for the copies of its pieces' spans (a wait orders the caller's stream after every copy
-queued before it too, so each span is waited for once a forward, by its first reader),
-queues its pieces (a call of few input rows, such as
+queued before it too, so a stream waits at most once a forward for any span, and a run of
+spans once, for its last), queues its pieces (a call of few input rows, such as
 a decode step's, one GEMM per run of pieces back to back in the ring: its GEMMs are too
 short to gain from starting early, and each costs the host), records the events that
 free the spans it read last, then queues every copy whose waits have all been recorded: the copy
 stream runs as far ahead as the ring allows, across Linears and, at the end of a forward,
 into the first spans of the next one. A copy never waits for an event that has not been
 recorded yet (its record is what lets the host queue the copy), so every wait refers to
-the right use of the ring's bytes.
+the use of the ring's bytes it orders after, or (``coalesce_copy_waits``,
+``copy_wait_stride``: measurement knobs, off by default) to a later record of the same
+stream.
 
 What is not the plan's forward runs unplanned, each weight copied whole on the caller's
 stream: a call out of the learnt order (the plan is learnt again from the forward that
@@ -144,6 +146,11 @@ class _HostBackend:
     def order(self, later: str, earlier: str) -> None:
         self.check.wait(later, self.check.record(earlier))
 
+    def after_all(self, later: str, streams: Sequence[str]) -> None:
+        """``later`` after everything ``streams`` have queued."""
+        for stream in streams:
+            self.order(later, stream)
+
     def copying(self) -> contextlib.AbstractContextManager[None]:
         return contextlib.nullcontext()
 
@@ -216,6 +223,13 @@ class _CudaBackend:
         else:
             later.wait_stream(earlier)
 
+    def after_all(self, later: Any, streams: Sequence[Any]) -> None:
+        """``later`` after everything ``streams`` have queued: the device synchronized
+        (a rare path; ``streams`` may be raw handles of streams since released). Inside a
+        capture, nothing: the capture began on an idle device."""
+        if streams and not self.capturing():
+            torch.cuda.synchronize(self.device)
+
     def copying(self) -> contextlib.AbstractContextManager[None]:
         """The copy stream current, for ``copy`` (raw copies name their stream)."""
         if self.raw is not None:
@@ -272,6 +286,7 @@ class Streamer:
         if isinstance(self.backend, _CudaBackend):  # freed only once the copies into them ran
             for t in (self.ring, self.biases):
                 t.record_stream(self.backend.copy_stream)
+        self.readers: dict[Any, Any] = {}  # the streams that read the staging, by key
         self.active: int | None = None  # the thread whose forward runs the plan
         self.graphs = False  # a forward was captured: eager forwards join their copies
         self.last_captured = False
@@ -279,10 +294,9 @@ class Streamer:
         self.versions = self._versions()
         self.probe_sets: list[list[Any]] = [[], []]
         self.probe_waits = True  # time each wait for a copy (the report's exposed_copy_ms)
-        self.frees_at_call_end = False  # a call's frees recorded after its last GEMM
-        self.wait_at_call_start = False  # one wait, for a call's last span, before its GEMMs
-        self.coalesce_copy_waits = False  # see _copy_waits
-        self.copy_wait_stride = 1  # copies queued per wait for frees (see _pump)
+        # Measurement knobs (benchmarks.probes.budget_trace): see _copy_waits and _pump.
+        self.coalesce_copy_waits = False
+        self.copy_wait_stride = 1  # copies queued per wait for frees, at least 1
         self.forwards = 0
         self.probe_used = 0
         self.now: ForwardCopies | None = None
@@ -379,8 +393,13 @@ class Streamer:
 
     def _restart(self, stream: Any) -> None:
         """Drops what is queued for reads that will not come: the copy stream waits for
-        everything ``stream`` has queued, and the next call reads a new lap, copied from
-        its first span."""
+        everything ``stream`` and every other stream that read the staging since the last
+        restart have queued (their reads may still run), and the next call reads a new
+        lap, copied from its first span."""
+        key = self.backend.key(stream)
+        self.backend.after_all(self.backend.copy_stream,
+                               [s for k, s in self.readers.items() if k != key])
+        self.readers = {}
         self.backend.order(self.backend.copy_stream, stream)
         n = max(len(self.plan.spans), 1)
         self.lap = self.issued // n + 1
@@ -419,10 +438,7 @@ class Streamer:
             return frees
         latest: dict[Any, tuple[int, int]] = {}  # stream -> (record number, span)
         waits = []
-        for k in frees:
-            if k not in self.freed_at:  # recorded where the streamer cannot tell
-                waits.append(k)
-                continue
+        for k in frees:  # each recorded by _free since the last restart (skip_before)
             key, number = self.freed_at[k]
             if number > max(self.copy_waited.get(key, 0), latest.get(key, (0, 0))[0]):
                 latest[key] = (number, k)
@@ -437,6 +453,8 @@ class Streamer:
         ready copies)."""
         n = len(self.plan.spans)
         ready = []
+        if self.copy_wait_stride < 1:
+            raise ValueError(f"copy_wait_stride must be at least 1, not {self.copy_wait_stride}")
         while self.issued < (self.lap + 2) * n:
             lap, first = divmod(self.issued, n)
             group = []
@@ -520,7 +538,9 @@ class Streamer:
             self._restart(stream)
         self.capturing = capturing
         self.waited = None  # a forward's waits order only its own stream's later work
-        self.copy_waited = {}  # nor does a capture inherit the copies' waits before it
+        # Not load-bearing (record numbers only grow, and a copy consults only frees
+        # recorded since the last restart or capture), but a forward starts clean.
+        self.copy_waited = {}
         self.off_plan = False
         self.observed = []
         self.forwards += 1
@@ -570,6 +590,7 @@ class Streamer:
         call = calls[self.cursor]
         lay = self.plan.layouts[linear]
         stream = self.backend.current()
+        self.readers.setdefault(self.backend.key(stream), stream)
         if not call.pieces:  # no weight bytes: the caller's unplanned call is as cheap
             self._advance()
             return None
@@ -579,10 +600,7 @@ class Streamer:
                   else self.piece_groups)[self.cursor]
         single = len(groups) == 1
         out = None if single else x.new_empty(x.shape[0], lay.out_features)
-        if self.wait_at_call_start:
-            self._await_copies(stream, [j for g in groups for j in g[0]]
-                               + ([call.bias_span] if call.bias_span is not None else []))
-        elif call.bias_span is not None:
+        if call.bias_span is not None:
             self._await_copies(stream, (call.bias_span,))
         for spans, w, b, lo, hi, b_lo, b_hi, r0, r1, frees in groups:
             self._await_copies(stream, spans)
@@ -597,17 +615,13 @@ class Streamer:
                 torch.mm(x, w.t(), out=out[:, r0:r1])  # type: ignore[index]
             else:
                 torch.addmm(b, x, w.t(), out=out[:, r0:r1])  # type: ignore[index]
-            if not self.frees_at_call_end:
-                self._free(stream, frees)
+            self._free(stream, frees)
             if self.now is not None:
                 for j in (*spans, call.bias_span):
                     if j is not None and (self.lap, j) not in self.now.read:
                         self.now.read.add((self.lap, j))
                         self.now.copies += 1
                         self.now.bytes += self.plan.spans[j].nbytes
-            self._pump()
-        if self.frees_at_call_end:
-            self._free(stream, [j for g in groups for j in g[-1]])
             self._pump()
         if self.now is not None:
             self.now.planned_calls += 1
