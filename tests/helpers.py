@@ -53,17 +53,18 @@ def batched(kind, dtype, axis, slices=2):
 
 
 def tiny_llama(dtype=torch.float32, seed=0, *, layers=2, hidden=64, intermediate=160, vocab=97,
-               max_positions=64, tie=False):
+               max_positions=64, tie=False, bias=False):
     """A small transformers Llama (4 heads, 2 KV heads) with random weights from ``seed``,
-    on the CPU, in eval mode; the calling test is skipped where transformers is missing
-    (a test extra: CI installs it)."""
+    on the CPU, in eval mode (``bias``: every Linear of its layers with a bias); the calling
+    test is skipped where transformers is missing (a test extra: CI installs it)."""
     import pytest
 
     transformers = pytest.importorskip("transformers")
     config = transformers.LlamaConfig(
         vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate,
         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-        max_position_embeddings=max_positions, tie_word_embeddings=tie)
+        max_position_embeddings=max_positions, tie_word_embeddings=tie,
+        attention_bias=bias, mlp_bias=bias)
     torch.manual_seed(seed)
     return transformers.LlamaForCausalLM(config).to(dtype).eval()
 

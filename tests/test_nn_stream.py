@@ -531,16 +531,6 @@ def test_copies_wait_once_for_frees_a_later_wait_covers(rows, stride, monkeypatc
                                        atol=1e-5)
 
 
-def biased_llama(seed=0):
-    """tiny_llama's shape with a bias on every Linear (the bias block, read by every call)."""
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(seed)
-    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        vocab_size=97, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-        attention_bias=True, mlp_bias=True)).eval()
-
-
 @pytest.mark.parametrize("staging, copy_size", [(200000, 30000), (40000, 4096)])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("stride", [1, 2, 3])
@@ -550,7 +540,7 @@ def test_coalesced_copy_waits_tell_the_callers_streams_apart(stride, bias, stagi
     copies need frees recorded on the last forward's stream and on this one's, and the
     copy stream's wait for one stream's latest free must not stand for the other's. The
     CPU backend's order check gets a second stream."""
-    ref = biased_llama(seed=3) if bias else tiny_llama(seed=8, max_positions=128)
+    ref = tiny_llama(seed=3 if bias else 8, max_positions=128, bias=bias)
     model = offloaded(ref, staging=staging, copy_size=copy_size)
     s = model._codegen_offload.streamer
     assert (s.plan.bias_bytes > 0) == bias

@@ -15,9 +15,8 @@ H100 with transformers 5); then, for the middle traced forward, each engine's bu
 idle time by part, and the longest idle stretches with the layer they fell in. The compute
 stream's idle time is split into waits for a copy (a copy ended inside the stretch) and
 spacing between kernels (none did: events, waits and launches), and the spacing by when
-the host queued the kernel after each stretch (``launched``). Before the trace, the host's
-time to queue one forward behind a second-long kernel and the calls in a forward that
-synchronize with the GPU (torch's sync debug mode), by source line.
+the host queued the kernel after each stretch (``launched``). Before the trace, the calls
+in a forward that synchronize with the GPU (torch's sync debug mode), by source line.
 
 ``--conditions`` times the prefill under each named condition, interleaved over
 ``--rounds`` (the order rotated each round, medians printed): ``as_is``;
@@ -200,20 +199,9 @@ def part(t: float, tail: float, attention: list[float]) -> str:
     return "head" if layer < 0 else f"layer {layer}"
 
 
-SPIN_CYCLES = 1_500_000_000  # about a second of the GPU: longer than any forward's host time
-
-
-def host_issue(model: torch.nn.Module, ids: torch.Tensor) -> str:
-    """The host's time to queue one forward behind a second-long kernel (where nothing in
-    the forward waits for the GPU, that is the host's own cost), and the calls that made
-    it wait for the GPU (torch's sync debug mode), by source line."""
-    torch.cuda.synchronize()
-    torch.cuda._sleep(SPIN_CYCLES)
-    start = time.perf_counter()
-    model(ids, use_cache=False)
-    host = time.perf_counter() - start
-    torch.cuda.synchronize()
-    spin = time.perf_counter() - start
+def synchronizing_calls(model: torch.nn.Module, ids: torch.Tensor) -> str:
+    """The calls in one forward that make the host wait for the GPU (torch's sync debug
+    mode), by source line. (How far ahead of the GPU the host queues is ``launched``'s.)"""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         torch.cuda.set_sync_debug_mode("warn")
@@ -224,9 +212,7 @@ def host_issue(model: torch.nn.Module, ids: torch.Tensor) -> str:
     torch.cuda.synchronize()
     lines = collections.Counter(f"{w.filename.rsplit('/', 2)[-1]}:{w.lineno}" for w in caught
                                 if "synchroniz" in str(w.message).lower())
-    return (f"host queues a forward in {host * 1e3:.2f} ms behind a {spin * 1e3:.0f} ms "
-            f"kernel ({'it waited for the GPU' if host > spin / 2 else 'ahead of the GPU'}); "
-            f"synchronizing calls a forward: {sum(lines.values())}"
+    return (f"synchronizing calls a forward: {sum(lines.values())}"
             + (" (" + ", ".join(f"{k} x{v}" for k, v in lines.most_common(4)) + ")"
                if lines else ""))
 
@@ -333,7 +319,7 @@ def main() -> None:
                       f"forward; resident {plan.resident_bytes / 2**20:.0f} MiB, streamed "
                       f"{plan.streamed_bytes / 2**20:.0f} MiB, staging "
                       f"{plan.staging_bytes / 2**20:.0f} MiB")
-            print("  " + host_issue(model, ids))
+            print("  " + synchronizing_calls(model, ids))
             if names and config != "gpu":
                 compare(model, ids, names, args.rounds)
                 for tokens in counts[1:]:

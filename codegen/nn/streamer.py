@@ -316,7 +316,10 @@ class Streamer:
         self.waited: tuple[Any, int] | None = None  # (stream, index): see _await_copies
         self.records = 0  # frees recorded, numbered in the order they were queued
         self.freed_at: dict[int, tuple[Any, int]] = {}  # span -> (stream, number) of its free
-        self.copy_waited: dict[Any, int] = {}  # stream -> the last free the copies waited for
+        # stream -> the last free the copies waited for. Never stale: record numbers only
+        # grow, and a copy consults only frees recorded since skip_before last moved (at
+        # a restart or a capture's start).
+        self.copy_waited: dict[Any, int] = {}
         self.skip_before = 0  # frees recorded in laps before this one need no wait
         self.off_plan = False  # this forward left the plan: its other calls run unplanned
         self.observed: list[int] = []
@@ -407,7 +410,6 @@ class Streamer:
         self.freed_lap = [self.lap - 1] * len(self.plan.spans)
         self.skip_before = self.lap
         self.cursor = 0
-        self.copy_waited = {}
 
     # -------------------------------------------------------------------- copies
     def _pump(self, force: bool = False) -> None:
@@ -538,9 +540,6 @@ class Streamer:
             self._restart(stream)
         self.capturing = capturing
         self.waited = None  # a forward's waits order only its own stream's later work
-        # Not load-bearing (record numbers only grow, and a copy consults only frees
-        # recorded since the last restart or capture), but a forward starts clean.
-        self.copy_waited = {}
         self.off_plan = False
         self.observed = []
         self.forwards += 1
