@@ -578,3 +578,45 @@ def test_a_restart_orders_the_copies_after_every_stream_that_read(staging, copy_
         model.model.layers[0].mlp.up_proj.weight.mul_(1)  # written in place: a restart
         torch.testing.assert_close(model(ids).logits, ref(ids).logits, rtol=1e-5, atol=1e-5)
     assert codegen.nn.report(model).restart == "a weight was written in place"
+
+
+@pytest.mark.parametrize("gpu_done", [False, True])
+@pytest.mark.parametrize("stride", [1, 2])
+def test_host_waits_for_frees_order_the_copies_without_copy_stream_waits(gpu_done, stride,
+                                                                         monkeypatch):
+    """With host_waits_for_frees a call of many rows queues a copy only once the GPU has
+    run the frees it follows (``gpu_done``), or, where a read needs it, after the host
+    waits for them: the copy stream then waits only for the copies queued at a lap's end
+    (the next forward's first spans, queued while the host's forward is done); a decode
+    step's calls wait on the copy stream as before. The order check sees the host's wait
+    as ordering the copy stream after the free."""
+    ref = tiny_llama(seed=8, max_positions=128)
+    model = offloaded(ref, staging=60000, copy_size=8000)
+    s = model._codegen_offload.streamer
+    s.host_waits_for_frees, s.copy_wait_stride = True, stride
+    s.coalesce_copy_waits = stride > 1
+    counts = {"stream": 0, "host": 0}
+    wait, host_wait = s.backend.wait, s.backend.host_wait
+    monkeypatch.setattr(s.backend, "wait", lambda stream, event: (
+        counts.__setitem__("stream", counts["stream"] + (stream == "copy")),
+        wait(stream, event)))
+    monkeypatch.setattr(s.backend, "host_wait", lambda event: (
+        counts.__setitem__("host", counts["host"] + 1), host_wait(event)))
+    monkeypatch.setattr(s.backend, "done", lambda event: gpu_done)
+    for rows, many in ((65, True), (1, False)):
+        ids = torch.randint(0, 97, (1, rows))
+        with torch.no_grad():
+            for _ in range(3):
+                counts.update(stream=0, host=0)
+                torch.testing.assert_close(model(ids).logits, ref(ids).logits, rtol=1e-5,
+                                           atol=1e-5)
+                if many:
+                    assert counts["host"] > 0
+                    assert counts["stream"] < counts["host"]
+                else:
+                    assert counts["host"] == 0 and counts["stream"] > 0
+    monkeypatch.setattr(s.backend, "host_wait", lambda event: None)  # the host runs ahead
+    with pytest.raises(codegen.InternalError, match="staging order: the copy into"), \
+            torch.no_grad():
+        for _ in range(2):
+            model(torch.randint(0, 97, (1, 65)))

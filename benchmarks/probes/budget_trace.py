@@ -29,6 +29,9 @@ waiting only for the last recorded of the frees it needs
 (``Streamer.coalesce_copy_waits``); ``copy_waits_every_2`` (``_3``), copies queued in
 groups of two (three) after one wait for all their frees (``Streamer.copy_wait_stride``,
 with coalescing: fewer waits of the copy stream, one copy (two) less lookahead);
+``host_waits_for_frees``, the copy stream never waiting for the compute stream: in a call
+of many rows a copy is queued once its frees have run, or after the host waits for them
+where a read needs it (``Streamer.host_waits_for_frees``);
 for timing only, what the ordering costs: ``unordered``, no waits between the streams at
 all, ``unordered_reads``, no waits of the GEMMs for their copies, ``unordered_copies``, no
 waits of the copies for the reads of the bytes they overwrite (the logits are wrong);
@@ -91,8 +94,8 @@ def offloaded(config: str, layers: int) -> torch.nn.Module:
 
 CONDITIONS = ("as_is", "no_wait_probes", "wait_per_piece", "whole_weights",
               "merged", "coalesced_copy_waits",
-              "copy_waits_every_2", "copy_waits_every_3", "unordered", "unordered_copies",
-              "unordered_reads")
+              "copy_waits_every_2", "copy_waits_every_3", "host_waits_for_frees", "unordered",
+              "unordered_copies", "unordered_reads")
 
 
 def condition(model: torch.nn.Module, name: str) -> None:
@@ -118,6 +121,7 @@ def condition(model: torch.nn.Module, name: str) -> None:
     stride = next((int(n[-1]) for n in names if n.startswith("copy_waits_every_")), 1)
     streamer.copy_wait_stride = stride
     streamer.coalesce_copy_waits = "coalesced_copy_waits" in names or stride > 1
+    streamer.host_waits_for_frees = "host_waits_for_frees" in names
     # Timing only: reads race their copies (or copies the reads they overwrite), so the
     # values are wrong.
     if "unordered" in names or "unordered_reads" in names:

@@ -13,7 +13,10 @@ into the first spans of the next one. A copy never waits for an event that has n
 recorded yet (its record is what lets the host queue the copy), so every wait refers to
 the use of the ring's bytes it orders after, or (``coalesce_copy_waits``,
 ``copy_wait_stride``: measurement knobs, off by default) to a later record of the same
-stream.
+stream. With ``host_waits_for_frees`` (a measurement knob, off by default), a call of many
+rows queues a copy without a wait once the GPU has run its frees, and where a read needs
+the copy first, the host waits for them: the copy stream is never held waiting on the
+compute stream, while the host runs ahead of the GPU by the ring's lookahead only.
 
 What is not the plan's forward runs unplanned, each weight copied whole on the caller's
 stream: a call out of the learnt order (the plan is learnt again from the forward that
@@ -143,6 +146,14 @@ class _HostBackend:
     def wait(self, stream: str, event: _HostEvent) -> None:
         self.check.wait(stream, event.snapshot)
 
+    @staticmethod
+    def done(event: _HostEvent) -> bool:
+        return True  # work runs when queued
+
+    def host_wait(self, event: _HostEvent) -> None:
+        """The host waits for ``event``: what it queues next on the copy stream follows."""
+        self.check.wait("copy", event.snapshot)
+
     def order(self, later: str, earlier: str) -> None:
         self.check.wait(later, self.check.record(earlier))
 
@@ -215,6 +226,17 @@ class _CudaBackend:
             self.raw.wait(self._handle(stream), event.cuda_event)
         else:
             stream.wait_event(event)
+
+    def done(self, event: torch.cuda.Event) -> bool:
+        """Whether the GPU has run ``event``'s last record."""
+        if self.raw is not None:
+            return self.raw.query(event.cuda_event)
+        return event.query()
+
+    @staticmethod
+    def host_wait(event: torch.cuda.Event) -> None:
+        """The host waits until the GPU has run ``event``'s last record."""
+        event.synchronize()
 
     def order(self, later: Any, earlier: Any) -> None:
         if self.raw is not None:  # a wait reads the event's last record when it is queued
@@ -297,6 +319,8 @@ class Streamer:
         # Measurement knobs (benchmarks.probes.budget_trace): see _copy_waits and _pump.
         self.coalesce_copy_waits = False
         self.copy_wait_stride = 1  # copies queued per wait for frees, at least 1
+        self.host_waits_for_frees = False
+        self.gate = False  # this call's copies follow their frees on the host (_pump)
         self.forwards = 0
         self.probe_used = 0
         self.now: ForwardCopies | None = None
@@ -412,17 +436,24 @@ class Streamer:
         self.cursor = 0
 
     # -------------------------------------------------------------------- copies
-    def _pump(self, force: bool = False) -> None:
+    def _pump(self, force: bool = False, need: int = -1) -> None:
         """Queues every copy whose waits have all been recorded, in plan order, up to the
         end of the next lap: in groups of ``copy_wait_stride`` copies, each group after
         one wait (``_copy_waits``); with ``force`` the ready copies of a group that is not
-        whole yet too (a read needs them, or the lap ends)."""
-        ready = self._ready(force)
+        whole yet too (a read needs them, or the lap ends). With ``host_waits_for_frees``,
+        in a call of many rows: the copy stream waits for nothing; a group is queued once
+        the GPU has run its frees, or, where a read needs it (up to index ``need``),
+        after the host waits for them."""
+        gate = self.gate
+        ready = self._ready(force, need)
         if ready:
             with self.backend.copying():  # one switch of the current stream for the batch
                 for group in ready:
                     for k in self._copy_waits(group):
-                        self.backend.wait(self.backend.copy_stream, self.freed[k])
+                        if gate:
+                            self.backend.host_wait(self.freed[k])
+                        else:
+                            self.backend.wait(self.backend.copy_stream, self.freed[k])
                     for j, _ in group:
                         self.backend.copy(*self.span_views[j])
                         self.backend.record(self.copied[j], self.backend.copy_stream)
@@ -434,8 +465,7 @@ class Streamer:
         copies, or any with ``coalesce_copy_waits``, waits once per stream that recorded
         them, for the last recorded, and not at all where the copy stream has waited for
         a later record of that stream already (``copy_waited``)."""
-        frees = [k for j, lap in group for k, d in self.plan.spans[j].waits
-                 if lap + d >= self.skip_before]
+        frees = self._frees(group)
         if not self.coalesce_copy_waits and len(group) == 1:
             return frees
         latest: dict[Any, tuple[int, int]] = {}  # stream -> (record number, span)
@@ -449,10 +479,16 @@ class Streamer:
             waits.append(k)
         return waits
 
-    def _ready(self, force: bool = False) -> list[list[tuple[int, int]]]:
+    def _frees(self, group: Sequence[tuple[int, int]]) -> list[int]:
+        """The spans whose frees the copies of ``group`` ((span, lap) pairs) follow."""
+        return [k for j, lap in group for k, d in self.plan.spans[j].waits
+                if lap + d >= self.skip_before]
+
+    def _ready(self, force: bool = False, need: int = -1) -> list[list[tuple[int, int]]]:
         """The copies ``_pump`` queues now, as groups of (span, lap) within a lap, counted
         as queued: a group once all its copies' waits are recorded (with ``force``, its
-        ready copies)."""
+        ready copies); with ``gate``, beyond index ``need`` only once the GPU has run
+        them."""
         n = len(self.plan.spans)
         ready = []
         if self.copy_wait_stride < 1:
@@ -466,6 +502,9 @@ class Streamer:
                 group.append((j, lap))
             if not group or (len(group) < min(self.copy_wait_stride, n - first)
                              and not force):
+                break
+            if self.gate and self.issued > need and not all(
+                    self.backend.done(self.freed[k]) for k in self._frees(group)):
                 break
             ready.append(group)
             self.issued += len(group)
@@ -485,7 +524,7 @@ class Streamer:
         for j in spans:
             index = self.lap * n + j
             if self.issued <= index:
-                self._pump(force=True)
+                self._pump(force=True, need=index)
             if self.issued <= index:
                 raise InternalError(f"codegen.nn.offload: span {j} of lap {self.lap} cannot be "
                                     "copied before the call that reads it (a plan whose waits "
@@ -540,6 +579,7 @@ class Streamer:
             self._restart(stream)
         self.capturing = capturing
         self.waited = None  # a forward's waits order only its own stream's later work
+        self.gate = False
         self.off_plan = False
         self.observed = []
         self.forwards += 1
@@ -595,8 +635,9 @@ class Streamer:
             return None
         # Few rows (a decode step): one GEMM per merged run of pieces, for the host's sake
         # (the GEMMs are too short to gain from starting before the run's last copy).
-        groups = (self.merged_groups if x.shape[0] <= MERGED_ROWS
-                  else self.piece_groups)[self.cursor]
+        many = x.shape[0] > MERGED_ROWS
+        groups = (self.piece_groups if many else self.merged_groups)[self.cursor]
+        self.gate = self.host_waits_for_frees and many and not self.capturing
         single = len(groups) == 1
         out = None if single else x.new_empty(x.shape[0], lay.out_features)
         if call.bias_span is not None:
@@ -622,6 +663,7 @@ class Streamer:
                         self.now.copies += 1
                         self.now.bytes += self.plan.spans[j].nbytes
             self._pump()
+        self.gate = False
         if self.now is not None:
             self.now.planned_calls += 1
         self._advance()
