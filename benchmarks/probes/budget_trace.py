@@ -39,12 +39,14 @@ waits of the copies for the reads of the bytes they overwrite (the logits are wr
 weights where they fit (``plan_stream(..., whole_weights=True)``: only weights larger than
 a copy are cut, so fewer GEMM pieces, against spans packed to the copy size across
 weights).
-With ``--tokens 4096,1`` each config is timed at each token count (a one-token forward
+``--trace`` names the conditions the traced prefills run under (``as_is``; each traced
+and broken down in turn). With ``--tokens 4096,1`` each config is timed at each token count (a one-token forward
 streams as a decode step does); the trace is of the first.
 
     python -m benchmarks.probes.budget_trace [--layers 32] [--tokens 4096,1]
                                              [--configs p50,p0_fp8,p0_fp8_s208_c64]
                                              [--conditions as_is,no_wait_probes] [--rounds 4]
+                                             [--trace as_is,unordered_copies]
 """
 
 from __future__ import annotations
@@ -278,6 +280,69 @@ def launched(prof: Any, stream: int, spacing: set[tuple[float, float]]) -> str:
         for kind, g in sorted(split.items(), key=lambda kv: -sum(b - a for a, b in kv[1])))
 
 
+def trace(model: torch.nn.Module, ids: torch.Tensor, label: str) -> None:
+    """Three prefills of ``ids`` under the profiler; the middle one's idle time by engine
+    and part of the forward (see the module docstring), headed by ``label``."""
+    with torch.no_grad(), profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            model(ids, use_cache=False)
+        torch.cuda.synchronize()
+    events = sorted((e for e in prof.events() if e.device_type.name == "CUDA"),
+                    key=lambda e: e.time_range.start)
+    copies = [e for e in events if "HtoD" in e.name]
+    kernels = [e for e in events if "Memcpy" not in e.name and "Memset" not in e.name]
+    marks = [e.time_range.start for e in kernels if "sleep" in e.name.lower()
+             or "spin" in e.name.lower()]
+    if len(marks) < 6:
+        print(f"  {len(marks)} marker kernels found, expected 6: no breakdown")
+        return
+    # The middle forward: from its opening marker to the next forward's.
+    begin, tail, finish = marks[2], marks[3], marks[4]
+    attention = [e.time_range.start for e in kernels if "sdpa" in e.name.lower()
+                 or "flash" in e.name.lower() or "attention" in e.name.lower()]
+    attention = [t for t in attention if begin <= t < tail]
+
+    streams: dict[int, int] = {}
+    for e in kernels:
+        streams[e.thread] = streams.get(e.thread, 0) + 1
+    compute = max(streams, key=streams.get)  # type: ignore[arg-type]
+    engines = {"copy engine": copies,
+               "compute stream": [e for e in kernels if e.thread == compute]}
+    print(f"  traced middle forward{label and f' ({label})'}: {(finish - begin) / 1e3:.2f} ms, "
+          f"{len(attention)} attention kernels")
+    for name, evs in engines.items():
+        gaps = idle(evs, begin, finish)
+        by = {"head": 0.0, "layers": 0.0, "tail": 0.0}
+        for a, b in gaps:
+            where = part(a, tail, attention)
+            by["layers" if where.startswith("layer") else where] += (b - a) / 1e3
+        busy = (finish - begin) / 1e3 - sum(by.values())
+        print(f"  {name}: busy {busy:.2f} ms, idle " + ", ".join(
+            f"{k} {v:.2f}" for k, v in by.items()) + " ms")
+        if name == "compute stream":
+            kinds = {"GEMMs": 0.0, "dequantization": 0.0, "other": 0.0}
+            count = {k: 0 for k in kinds}
+            for e in evs:
+                if begin <= e.time_range.start < finish:
+                    low = e.name.lower()
+                    kind = ("dequantization" if "_rows" in low else "GEMMs" if any(
+                        k in low for k in ("nvjet", "gemm", "cutlass")) else "other")
+                    kinds[kind] += e.time_range.elapsed_us() / 1e3
+                    count[kind] += 1
+            print("    kernels: " + ", ".join(f"{k} {v:.2f} ms ({count[k]})"
+                                              for k, v in kinds.items()))
+            ends = sorted(e.time_range.end for e in copies)
+            waited = [(a, b) for a, b in gaps
+                      if bisect.bisect_right(ends, b) > bisect.bisect_left(ends, a)]
+            spacing = [g for g in gaps if g not in waited]
+            print("    of which waiting for a copy: " + stretches(waited)
+                  + "; spacing between kernels: " + stretches(spacing))
+            print(launched(prof, compute, set(spacing)))
+        for a, b in sorted(gaps, key=lambda g: g[0] - g[1])[:6]:
+            after = next((e.name[:48] for e in kernels if e.time_range.start >= b), "")
+            print(f"    {b - a:7.0f} µs idle in {part(a, tail, attention)}, then {after}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.probes.budget_trace")
     parser.add_argument("--layers", type=int, default=32)
@@ -286,9 +351,12 @@ def main() -> None:
     parser.add_argument("--conditions", default="",
                         help=f"comma-separated, of {', '.join(CONDITIONS)}")
     parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--trace", default="as_is",
+                        help="the conditions to trace a prefill under, comma-separated")
     args = parser.parse_args()
     names = [n for n in args.conditions.split(",") if n]
-    if unknown := [p for n in names for p in n.split("+") if p not in CONDITIONS]:
+    traced = [n for n in args.trace.split(",") if n]
+    if unknown := [p for n in names + traced for p in n.split("+") if p not in CONDITIONS]:
         raise SystemExit(f"budget_trace: unknown conditions {unknown}; known: {CONDITIONS}")
     if not torch.cuda.is_available():
         raise SystemExit("budget_trace needs a CUDA GPU")
@@ -332,67 +400,16 @@ def main() -> None:
                     print(f"  {tokens} tokens:", end="")
                     compare(model, more, names, args.rounds)
                 model(ids, use_cache=False)
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                for _ in range(3):
-                    model(ids, use_cache=False)
-                torch.cuda.synchronize()
+            for name in traced if config != "gpu" else [""]:
+                if name:
+                    condition(model, name)
+                    model(ids, use_cache=False)  # the lead-in
+                trace(model, ids, name)
+                if name:
+                    condition(model, "as_is")
         for h in hooks:
             h.remove()
-        events = sorted((e for e in prof.events() if e.device_type.name == "CUDA"),
-                        key=lambda e: e.time_range.start)
-        copies = [e for e in events if "HtoD" in e.name]
-        kernels = [e for e in events if "Memcpy" not in e.name and "Memset" not in e.name]
-        marks = [e.time_range.start for e in kernels if "sleep" in e.name.lower()
-                 or "spin" in e.name.lower()]
-        if len(marks) < 6:
-            print(f"  {len(marks)} marker kernels found, expected 6: no breakdown")
-            continue
-        # The middle forward: from its opening marker to the next forward's.
-        begin, tail, finish = marks[2], marks[3], marks[4]
-        attention = [e.time_range.start for e in kernels if "sdpa" in e.name.lower()
-                     or "flash" in e.name.lower() or "attention" in e.name.lower()]
-        attention = [t for t in attention if begin <= t < tail]
-
-        streams: dict[int, int] = {}
-        for e in kernels:
-            streams[e.thread] = streams.get(e.thread, 0) + 1
-        compute = max(streams, key=streams.get)  # type: ignore[arg-type]
-        engines = {"copy engine": copies,
-                   "compute stream": [e for e in kernels if e.thread == compute]}
-        print(f"  traced middle forward: {(finish - begin) / 1e3:.2f} ms, "
-              f"{len(attention)} attention kernels")
-        for name, evs in engines.items():
-            gaps = idle(evs, begin, finish)
-            by = {"head": 0.0, "layers": 0.0, "tail": 0.0}
-            for a, b in gaps:
-                where = part(a, tail, attention)
-                by["layers" if where.startswith("layer") else where] += (b - a) / 1e3
-            busy = (finish - begin) / 1e3 - sum(by.values())
-            print(f"  {name}: busy {busy:.2f} ms, idle " + ", ".join(
-                f"{k} {v:.2f}" for k, v in by.items()) + " ms")
-            if name == "compute stream":
-                kinds = {"GEMMs": 0.0, "dequantization": 0.0, "other": 0.0}
-                count = {k: 0 for k in kinds}
-                for e in evs:
-                    if begin <= e.time_range.start < finish:
-                        low = e.name.lower()
-                        kind = ("dequantization" if "_rows" in low else "GEMMs" if any(
-                            k in low for k in ("nvjet", "gemm", "cutlass")) else "other")
-                        kinds[kind] += e.time_range.elapsed_us() / 1e3
-                        count[kind] += 1
-                print("    kernels: " + ", ".join(f"{k} {v:.2f} ms ({count[k]})"
-                                                  for k, v in kinds.items()))
-                ends = sorted(e.time_range.end for e in copies)
-                waited = [(a, b) for a, b in gaps
-                          if bisect.bisect_right(ends, b) > bisect.bisect_left(ends, a)]
-                spacing = [g for g in gaps if g not in waited]
-                print("    of which waiting for a copy: " + stretches(waited)
-                      + "; spacing between kernels: " + stretches(spacing))
-                print(launched(prof, compute, set(spacing)))
-            for a, b in sorted(gaps, key=lambda g: g[0] - g[1])[:6]:
-                after = next((e.name[:48] for e in kernels if e.time_range.start >= b), "")
-                print(f"    {b - a:7.0f} µs idle in {part(a, tail, attention)}, then {after}")
-        del model, prof
+        del model
         gc.collect()
         torch.cuda.empty_cache()
 
