@@ -492,59 +492,16 @@ def test_the_callers_stream_waits_once_for_each_span_it_reads(rows, monkeypatch)
         model(ids)
 
 
-@pytest.mark.parametrize("rows", [1, 65])
-@pytest.mark.parametrize("stride", [1, 2, 3])
-def test_copies_wait_once_for_frees_a_later_wait_covers(rows, stride, monkeypatch):
-    """With coalesce_copy_waits a copy waits only for the last recorded of the frees it
-    needs from a stream, and not at all where the copy stream waited for a later free of
-    that stream already; with copy_wait_stride, copies are queued in groups after one
-    such wait for all of them (fewer still, and a ring of two copies, where a group's
-    second copy overwrites what its first one's reader frees, still runs): fewer waits,
-    the same logits, every ring write still checked against the reads it overwrites by
-    the order check."""
-    ref = tiny_llama(seed=8, max_positions=128)
-    counts = {}
-    for coalesce in (False, True):
-        model = offloaded(ref, staging=60000, copy_size=8000)  # a ring of few copies
-        s = model._codegen_offload.streamer
-        s.coalesce_copy_waits = coalesce
-        s.copy_wait_stride = stride if coalesce else 1
-        waits: list[object] = []
-        wait = s.backend.wait
-        monkeypatch.setattr(s.backend, "wait", lambda stream, event, waits=waits, wait=wait: (
-            waits.append(stream) if stream == "copy" else None, wait(stream, event)))
-        ids = torch.randint(0, 97, (1, rows))
-        with torch.no_grad():
-            for _ in range(3):
-                torch.testing.assert_close(model(ids).logits, ref(ids).logits, rtol=1e-5,
-                                           atol=1e-5)
-        counts[coalesce] = len(waits)
-    assert 0 < counts[True] < counts[False]
-    if stride > 1:
-        assert counts[True] * stride < counts[False] * 1.5
-    two = offloaded(ref, staging=2 * 8000 + 1024, copy_size=8000)  # a ring of two copies
-    s = two._codegen_offload.streamer
-    s.copy_wait_stride = stride
-    with torch.no_grad():
-        for _ in range(3):
-            torch.testing.assert_close(two(ids).logits, ref(ids).logits, rtol=1e-5,
-                                       atol=1e-5)
-
-
 @pytest.mark.parametrize("staging, copy_size", [(200000, 30000), (40000, 4096)])
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("stride", [1, 2, 3])
-def test_coalesced_copy_waits_tell_the_callers_streams_apart(stride, bias, staging,
-                                                             copy_size, monkeypatch):
+def test_forwards_on_two_caller_streams_in_turn(bias, staging, copy_size, monkeypatch):
     """Forwards on two caller streams in turn (as a server's per-request streams): a lap's
-    copies need frees recorded on the last forward's stream and on this one's, and the
-    copy stream's wait for one stream's latest free must not stand for the other's. The
-    CPU backend's order check gets a second stream."""
+    copies wait for frees recorded on the last forward's stream and on this one's, each
+    for its own. The CPU backend's order check gets a second stream."""
     ref = tiny_llama(seed=3 if bias else 8, max_positions=128, bias=bias)
     model = offloaded(ref, staging=staging, copy_size=copy_size)
     s = model._codegen_offload.streamer
     assert (s.plan.bias_bytes > 0) == bias
-    s.coalesce_copy_waits, s.copy_wait_stride = True, stride
     s.backend.check.clock["other"] = {}
     current = ["current"]
     monkeypatch.setattr(s.backend, "current", lambda: current[0])
@@ -578,45 +535,3 @@ def test_a_restart_orders_the_copies_after_every_stream_that_read(staging, copy_
         model.model.layers[0].mlp.up_proj.weight.mul_(1)  # written in place: a restart
         torch.testing.assert_close(model(ids).logits, ref(ids).logits, rtol=1e-5, atol=1e-5)
     assert codegen.nn.report(model).restart == "a weight was written in place"
-
-
-@pytest.mark.parametrize("gpu_done", [False, True])
-@pytest.mark.parametrize("stride", [1, 2])
-def test_host_waits_for_frees_order_the_copies_without_copy_stream_waits(gpu_done, stride,
-                                                                         monkeypatch):
-    """With host_waits_for_frees a call of many rows queues a copy only once the GPU has
-    run the frees it follows (``gpu_done``), or, where a read needs it, after the host
-    waits for them: the copy stream then waits only for the copies queued at a lap's end
-    (the next forward's first spans, queued while the host's forward is done); a decode
-    step's calls wait on the copy stream as before. The order check sees the host's wait
-    as ordering the copy stream after the free."""
-    ref = tiny_llama(seed=8, max_positions=128)
-    model = offloaded(ref, staging=60000, copy_size=8000)
-    s = model._codegen_offload.streamer
-    s.host_waits_for_frees, s.copy_wait_stride = True, stride
-    s.coalesce_copy_waits = stride > 1
-    counts = {"stream": 0, "host": 0}
-    wait, host_wait = s.backend.wait, s.backend.host_wait
-    monkeypatch.setattr(s.backend, "wait", lambda stream, event: (
-        counts.__setitem__("stream", counts["stream"] + (stream == "copy")),
-        wait(stream, event)))
-    monkeypatch.setattr(s.backend, "host_wait", lambda event: (
-        counts.__setitem__("host", counts["host"] + 1), host_wait(event)))
-    monkeypatch.setattr(s.backend, "done", lambda event: gpu_done)
-    for rows, many in ((65, True), (1, False)):
-        ids = torch.randint(0, 97, (1, rows))
-        with torch.no_grad():
-            for _ in range(3):
-                counts.update(stream=0, host=0)
-                torch.testing.assert_close(model(ids).logits, ref(ids).logits, rtol=1e-5,
-                                           atol=1e-5)
-                if many:
-                    assert counts["host"] > 0
-                    assert counts["stream"] < counts["host"]
-                else:
-                    assert counts["host"] == 0 and counts["stream"] > 0
-    monkeypatch.setattr(s.backend, "host_wait", lambda event: None)  # the host runs ahead
-    with pytest.raises(codegen.InternalError, match="staging order: the copy into"), \
-            torch.no_grad():
-        for _ in range(2):
-            model(torch.randint(0, 97, (1, 65)))

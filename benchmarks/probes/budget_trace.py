@@ -24,14 +24,7 @@ in a forward that synchronize with the GPU (torch's sync debug mode), by source 
 ``exposed_copy_ms``); ``wait_per_piece``, the caller's stream waiting for its span at
 every GEMM piece, as the streamer did before it waited once for each span a forward;
 ``merged``, every call's pieces merged into a GEMM per run back to back in the ring, as
-a call of few rows runs; ``coalesced_copy_waits``, each copy
-waiting only for the last recorded of the frees it needs
-(``Streamer.coalesce_copy_waits``); ``copy_waits_every_2`` (``_3``), copies queued in
-groups of two (three) after one wait for all their frees (``Streamer.copy_wait_stride``,
-with coalescing: fewer waits of the copy stream, one copy (two) less lookahead);
-``host_waits_for_frees``, the copy stream never waiting for the compute stream: in a call
-of many rows a copy is queued once its frees have run, or after the host waits for them
-where a read needs it (``Streamer.host_waits_for_frees``);
+a call of few rows runs;
 for timing only, what the ordering costs: ``unordered``, no waits between the streams at
 all, ``unordered_reads``, no waits of the GEMMs for their copies, ``unordered_copies``, no
 waits of the copies for the reads of the bytes they overwrite (the logits are wrong);
@@ -40,8 +33,8 @@ weights where they fit (``plan_stream(..., whole_weights=True)``: only weights l
 a copy are cut, so fewer GEMM pieces, against spans packed to the copy size across
 weights).
 ``--trace`` names the conditions the traced prefills run under (``as_is``; each traced
-and broken down in turn). With ``--tokens 4096,1`` each config is timed at each token count (a one-token forward
-streams as a decode step does); the trace is of the first.
+and broken down in turn). With ``--tokens 4096,1`` each config is timed at each token
+count (a one-token forward streams as a decode step does); the trace is of the first.
 
     python -m benchmarks.probes.budget_trace [--layers 32] [--tokens 4096,1]
                                              [--configs p50,p0_fp8,p0_fp8_s208_c64]
@@ -94,10 +87,8 @@ def offloaded(config: str, layers: int) -> torch.nn.Module:
                               copy_size=int(copy_mib) * 2**20 if copy_mib else None)
 
 
-CONDITIONS = ("as_is", "no_wait_probes", "wait_per_piece", "whole_weights",
-              "merged", "coalesced_copy_waits",
-              "copy_waits_every_2", "copy_waits_every_3", "host_waits_for_frees", "unordered",
-              "unordered_copies", "unordered_reads")
+CONDITIONS = ("as_is", "no_wait_probes", "wait_per_piece", "whole_weights", "merged",
+              "unordered", "unordered_copies", "unordered_reads")
 
 
 def condition(model: torch.nn.Module, name: str) -> None:
@@ -120,16 +111,12 @@ def condition(model: torch.nn.Module, name: str) -> None:
     streamer.__dict__.pop("_await_copies", None)
     streamer.backend.__dict__.pop("wait", None)
     streamer_module.MERGED_ROWS = 1 << 30 if "merged" in names else MERGED_ROWS
-    stride = next((int(n[-1]) for n in names if n.startswith("copy_waits_every_")), 1)
-    streamer.copy_wait_stride = stride
-    streamer.coalesce_copy_waits = "coalesced_copy_waits" in names or stride > 1
-    streamer.host_waits_for_frees = "host_waits_for_frees" in names
     # Timing only: reads race their copies (or copies the reads they overwrite), so the
     # values are wrong.
     if "unordered" in names or "unordered_reads" in names:
         def queued(stream: object, spans: list[int]) -> None:  # queued, not waited for
             if streamer.issued <= streamer.lap * len(streamer.plan.spans) + max(spans):
-                streamer._pump(force=True)
+                streamer._pump()
         streamer._await_copies = queued
     if "unordered" in names or "unordered_copies" in names:
         wait, copies = type(streamer.backend).wait, streamer.backend.copy_stream

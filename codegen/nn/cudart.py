@@ -15,7 +15,6 @@ import ctypes
 import functools
 
 MEMCPY_HOST_TO_DEVICE = 1  # cudaMemcpyHostToDevice
-NOT_READY = 600  # cudaErrorNotReady
 
 
 class Runtime:
@@ -29,17 +28,14 @@ class Runtime:
         lib.cudaStreamWaitEvent.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint]
         lib.cudaMemcpyAsync.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t,
                                         ctypes.c_int, ctypes.c_void_p]
-        lib.cudaEventQuery.argtypes = [ctypes.c_void_p]
         lib.cudaGetLastError.argtypes = []
         lib.cudaGetLastError.restype = ctypes.c_int
         lib.cudaGetErrorString.argtypes = [ctypes.c_int]
         lib.cudaGetErrorString.restype = ctypes.c_char_p
-        for f in (lib.cudaEventRecord, lib.cudaStreamWaitEvent, lib.cudaMemcpyAsync,
-                  lib.cudaEventQuery):
+        for f in (lib.cudaEventRecord, lib.cudaStreamWaitEvent, lib.cudaMemcpyAsync):
             f.restype = ctypes.c_int
-        self._record, self._wait, self._copy, self._query = (
-            lib.cudaEventRecord, lib.cudaStreamWaitEvent, lib.cudaMemcpyAsync,
-            lib.cudaEventQuery)
+        self._record, self._wait, self._copy = (
+            lib.cudaEventRecord, lib.cudaStreamWaitEvent, lib.cudaMemcpyAsync)
 
     def _failed(self, what: str, status: int) -> RuntimeError:
         self.lib.cudaGetLastError()  # cleared: torch checks it after its own launches
@@ -56,16 +52,6 @@ class Runtime:
         status = self._wait(stream, event, 0)
         if status:
             raise self._failed("cudaStreamWaitEvent", status)
-
-    def query(self, event: int) -> bool:
-        """Whether the GPU has run the event's last record."""
-        status = self._query(event)
-        if status == NOT_READY:
-            self.lib.cudaGetLastError()  # not an error: cleared for torch's checks
-            return False
-        if status:
-            raise self._failed("cudaEventQuery", status)
-        return True
 
     def copy(self, dst: int, src: int, nbytes: int, stream: int) -> None:
         status = self._copy(dst, src, nbytes, MEMCPY_HOST_TO_DEVICE, stream)

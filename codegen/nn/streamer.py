@@ -11,12 +11,7 @@ free the spans it read last, then queues every copy whose waits have all been re
 stream runs as far ahead as the ring allows, across Linears and, at the end of a forward,
 into the first spans of the next one. A copy never waits for an event that has not been
 recorded yet (its record is what lets the host queue the copy), so every wait refers to
-the use of the ring's bytes it orders after, or (``coalesce_copy_waits``,
-``copy_wait_stride``: measurement knobs, off by default) to a later record of the same
-stream. With ``host_waits_for_frees`` (a measurement knob, off by default), a call of many
-rows queues a copy without a wait once the GPU has run its frees, and where a read needs
-the copy first, the host waits for them: the copy stream is never held waiting on the
-compute stream, while the host runs ahead of the GPU by the ring's lookahead only.
+the right use of the ring's bytes.
 
 What is not the plan's forward runs unplanned, each weight copied whole on the caller's
 stream: a call out of the learnt order (the plan is learnt again from the forward that
@@ -146,14 +141,6 @@ class _HostBackend:
     def wait(self, stream: str, event: _HostEvent) -> None:
         self.check.wait(stream, event.snapshot)
 
-    @staticmethod
-    def done(event: _HostEvent) -> bool:
-        return True  # work runs when queued
-
-    def host_wait(self, event: _HostEvent) -> None:
-        """The host waits for ``event``: what it queues next on the copy stream follows."""
-        self.check.wait("copy", event.snapshot)
-
     def order(self, later: str, earlier: str) -> None:
         self.check.wait(later, self.check.record(earlier))
 
@@ -226,17 +213,6 @@ class _CudaBackend:
             self.raw.wait(self._handle(stream), event.cuda_event)
         else:
             stream.wait_event(event)
-
-    def done(self, event: torch.cuda.Event) -> bool:
-        """Whether the GPU has run ``event``'s last record."""
-        if self.raw is not None:
-            return self.raw.query(event.cuda_event)
-        return event.query()
-
-    @staticmethod
-    def host_wait(event: torch.cuda.Event) -> None:
-        """The host waits until the GPU has run ``event``'s last record."""
-        event.synchronize()
 
     def order(self, later: Any, earlier: Any) -> None:
         if self.raw is not None:  # a wait reads the event's last record when it is queued
@@ -316,11 +292,6 @@ class Streamer:
         self.versions = self._versions()
         self.probe_sets: list[list[Any]] = [[], []]
         self.probe_waits = True  # time each wait for a copy (the report's exposed_copy_ms)
-        # Measurement knobs (benchmarks.probes.budget_trace): see _copy_waits and _pump.
-        self.coalesce_copy_waits = False
-        self.copy_wait_stride = 1  # copies queued per wait for frees, at least 1
-        self.host_waits_for_frees = False
-        self.gate = False  # this call's copies follow their frees on the host (_pump)
         self.forwards = 0
         self.probe_used = 0
         self.now: ForwardCopies | None = None
@@ -338,12 +309,6 @@ class Streamer:
         self.issued = 0  # spans queued, over every lap (lap * n + span)
         self.settled = 0  # spans queued before this one need no wait for their copy
         self.waited: tuple[Any, int] | None = None  # (stream, index): see _await_copies
-        self.records = 0  # frees recorded, numbered in the order they were queued
-        self.freed_at: dict[int, tuple[Any, int]] = {}  # span -> (stream, number) of its free
-        # stream -> the last free the copies waited for. Never stale: record numbers only
-        # grow, and a copy consults only frees recorded since skip_before last moved (at
-        # a restart or a capture's start).
-        self.copy_waited: dict[Any, int] = {}
         self.skip_before = 0  # frees recorded in laps before this one need no wait
         self.off_plan = False  # this forward left the plan: its other calls run unplanned
         self.observed: list[int] = []
@@ -436,78 +401,29 @@ class Streamer:
         self.cursor = 0
 
     # -------------------------------------------------------------------- copies
-    def _pump(self, force: bool = False, need: int = -1) -> None:
+    def _pump(self) -> None:
         """Queues every copy whose waits have all been recorded, in plan order, up to the
-        end of the next lap: in groups of ``copy_wait_stride`` copies, each group after
-        one wait (``_copy_waits``); with ``force`` the ready copies of a group that is not
-        whole yet too (a read needs them, or the lap ends). With ``host_waits_for_frees``,
-        in a call of many rows: the copy stream waits for nothing; a group is queued once
-        the GPU has run its frees, or, where a read needs it (up to index ``need``),
-        after the host waits for them."""
-        gate = self.gate
-        ready = self._ready(force, need)
+        end of the next lap."""
+        ready = self._ready()
         if ready:
             with self.backend.copying():  # one switch of the current stream for the batch
-                for group in ready:
-                    for k in self._copy_waits(group):
-                        if gate:
-                            self.backend.host_wait(self.freed[k])
-                        else:
+                for j, lap in ready:
+                    for k, d in self.plan.spans[j].waits:
+                        if lap + d >= self.skip_before:
                             self.backend.wait(self.backend.copy_stream, self.freed[k])
-                    for j, _ in group:
-                        self.backend.copy(*self.span_views[j])
-                        self.backend.record(self.copied[j], self.backend.copy_stream)
+                    self.backend.copy(*self.span_views[j])
+                    self.backend.record(self.copied[j], self.backend.copy_stream)
 
-    def _copy_waits(self, group: Sequence[tuple[int, int]]) -> list[int]:
-        """The frees the copies of ``group`` ((span, lap) pairs, queued back to back) wait
-        for: the last readers of the ring bytes they overwrite, recorded in this or the
-        last lap. A stream runs its work in the order it was queued, so a group of several
-        copies, or any with ``coalesce_copy_waits``, waits once per stream that recorded
-        them, for the last recorded, and not at all where the copy stream has waited for
-        a later record of that stream already (``copy_waited``)."""
-        frees = self._frees(group)
-        if not self.coalesce_copy_waits and len(group) == 1:
-            return frees
-        latest: dict[Any, tuple[int, int]] = {}  # stream -> (record number, span)
-        waits = []
-        for k in frees:  # each recorded by _free since the last restart (skip_before)
-            key, number = self.freed_at[k]
-            if number > max(self.copy_waited.get(key, 0), latest.get(key, (0, 0))[0]):
-                latest[key] = (number, k)
-        for key, (number, k) in latest.items():
-            self.copy_waited[key] = number
-            waits.append(k)
-        return waits
-
-    def _frees(self, group: Sequence[tuple[int, int]]) -> list[int]:
-        """The spans whose frees the copies of ``group`` ((span, lap) pairs) follow."""
-        return [k for j, lap in group for k, d in self.plan.spans[j].waits
-                if lap + d >= self.skip_before]
-
-    def _ready(self, force: bool = False, need: int = -1) -> list[list[tuple[int, int]]]:
-        """The copies ``_pump`` queues now, as groups of (span, lap) within a lap, counted
-        as queued: a group once all its copies' waits are recorded (with ``force``, its
-        ready copies); with ``gate``, beyond index ``need`` only once the GPU has run
-        them."""
+    def _ready(self) -> list[tuple[int, int]]:
+        """The copies ``_pump`` queues now, as (span, lap), counted as queued."""
         n = len(self.plan.spans)
         ready = []
-        if self.copy_wait_stride < 1:
-            raise ValueError(f"copy_wait_stride must be at least 1, not {self.copy_wait_stride}")
         while self.issued < (self.lap + 2) * n:
-            lap, first = divmod(self.issued, n)
-            group = []
-            for j in range(first, min(first + self.copy_wait_stride, n)):
-                if any(self.freed_lap[k] < lap + d for k, d in self.plan.spans[j].waits):
-                    break
-                group.append((j, lap))
-            if not group or (len(group) < min(self.copy_wait_stride, n - first)
-                             and not force):
+            lap, j = divmod(self.issued, n)
+            if any(self.freed_lap[k] < lap + d for k, d in self.plan.spans[j].waits):
                 break
-            if self.gate and self.issued > need and not all(
-                    self.backend.done(self.freed[k]) for k in self._frees(group)):
-                break
-            ready.append(group)
-            self.issued += len(group)
+            ready.append((j, lap))
+            self.issued += 1
         return ready
 
     def _await_copies(self, stream: Any, spans: Sequence[int]) -> None:
@@ -524,7 +440,7 @@ class Streamer:
         for j in spans:
             index = self.lap * n + j
             if self.issued <= index:
-                self._pump(force=True, need=index)
+                self._pump()
             if self.issued <= index:
                 raise InternalError(f"codegen.nn.offload: span {j} of lap {self.lap} cannot be "
                                     "copied before the call that reads it (a plan whose waits "
@@ -579,7 +495,6 @@ class Streamer:
             self._restart(stream)
         self.capturing = capturing
         self.waited = None  # a forward's waits order only its own stream's later work
-        self.gate = False
         self.off_plan = False
         self.observed = []
         self.forwards += 1
@@ -635,9 +550,8 @@ class Streamer:
             return None
         # Few rows (a decode step): one GEMM per merged run of pieces, for the host's sake
         # (the GEMMs are too short to gain from starting before the run's last copy).
-        many = x.shape[0] > MERGED_ROWS
-        groups = (self.piece_groups if many else self.merged_groups)[self.cursor]
-        self.gate = self.host_waits_for_frees and many and not self.capturing
+        groups = (self.merged_groups if x.shape[0] <= MERGED_ROWS
+                  else self.piece_groups)[self.cursor]
         single = len(groups) == 1
         out = None if single else x.new_empty(x.shape[0], lay.out_features)
         if call.bias_span is not None:
@@ -663,7 +577,6 @@ class Streamer:
                         self.now.copies += 1
                         self.now.bytes += self.plan.spans[j].nbytes
             self._pump()
-        self.gate = False
         if self.now is not None:
             self.now.planned_calls += 1
         self._advance()
@@ -672,12 +585,9 @@ class Streamer:
     def _free(self, stream: Any, spans: Sequence[int]) -> None:
         """``spans``' last reads of this lap are queued on ``stream``: the copies that
         overwrite their ring bytes may follow."""
-        key = self.backend.key(stream)
         for j in spans:
             self.backend.record(self.freed[j], stream)
             self.freed_lap[j] = self.lap
-            self.records += 1
-            self.freed_at[j] = (key, self.records)
 
     def _advance(self) -> None:
         """The plan's next call; after the last one, the next lap's."""
@@ -685,7 +595,7 @@ class Streamer:
         if self.cursor == len(self.plan.calls):
             self.lap += 1
             self.cursor = 0
-            self._pump(force=True)
+            self._pump()
 
     def unplanned(self, x: torch.Tensor, weight: torch.Tensor,
                   bias: torch.Tensor | None, linear: int | None = None) -> torch.Tensor:
