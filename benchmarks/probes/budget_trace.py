@@ -19,7 +19,8 @@ the host queued the kernel after each stretch (``launched``). Before the trace, 
 in a forward that synchronize with the GPU (torch's sync debug mode), by source line.
 
 ``--conditions`` times the prefill under each named condition, interleaved over
-``--rounds`` (the order rotated each round, medians printed): ``as_is``;
+``--rounds`` (the order rotated each round, medians printed, then each condition's logits
+against ``as_is``'s: the share that is finite and the largest difference): ``as_is``;
 ``no_wait_probes``, without the timing events around each wait for a copy (the report's
 ``exposed_copy_ms``); ``wait_per_piece``, the caller's stream waiting for its span at
 every GEMM piece, as the streamer did before it waited once for each span a forward;
@@ -143,18 +144,32 @@ def timed(model: torch.nn.Module, ids: torch.Tensor, forwards: int = 3) -> float
 
 
 def compare(model: torch.nn.Module, ids: torch.Tensor, names: list[str], rounds: int) -> None:
-    """Each condition's prefill, interleaved over ``rounds`` (order rotated)."""
+    """Each condition's prefill, interleaved over ``rounds`` (order rotated); then, per
+    condition, its logits against ``as_is``'s (a timing-only condition reads wrong bytes:
+    where they make non-finite values, the GEMMs' timing may be the data's, not the
+    ordering's)."""
     results: dict[str, list[float]] = {n: [] for n in names}
     for r in range(rounds):
         for name in names[r % len(names):] + names[:r % len(names)]:
             condition(model, name)
             model(ids, use_cache=False)  # the lead-in: the next forward's first spans queued
             results[name].append(timed(model, ids))
+    values = {}
+    for name in ["as_is"] + [n for n in names if n != "as_is"]:
+        condition(model, name)
+        model(ids, use_cache=False)
+        logits = model(ids, use_cache=False).logits.float()
+        torch.cuda.synchronize()
+        values[name] = (torch.isfinite(logits).float().mean().item(),
+                        (logits - values["as_is"][2]).abs().max().item() if values else 0.0,
+                        logits)
     condition(model, "as_is")
     base = statistics.median(results[names[0]])
     print(f"  interleaved, {rounds} rounds: " + "; ".join(
         f"{n} {statistics.median(v):.2f} ms ({statistics.median(v) / base:.3f}x)"
         for n, v in results.items()))
+    print("  logits: " + "; ".join(f"{n} {finite:.1%} finite, max |diff| {diff:.3g}"
+                                   for n, (finite, diff, _) in values.items()))
 
 
 def mark() -> None:
