@@ -253,8 +253,10 @@ def test_quantized_linears_match_the_dequantized_reference_on_the_gpu(kind):
 
 @pytest.mark.parametrize("kind", ["fp8", "int4"])
 def test_long_and_short_quantized_calls_match_the_dequantized_reference_on_the_gpu(kind):
-    """Calls of more than MERGED_ROWS rows (a GEMM and a dequantization per piece) and of
-    one row (per merged run) under a ring that wraps, forwards back to back with no host
+    """Calls of more than MERGED_ROWS rows (a dequantization per piece into a scratch
+    weight, one GEMM per scratch; at 90 rows several, as the activations bound the
+    scratch) and of one row (per merged run) under a ring that wraps, forwards back to
+    back with no host
     synchronization between them: each forward's logits are the dequantized reference's
     (fp32 without TF32: exact arithmetic up to summation order)."""
     from codegen.nn.quantize import dequantize_reference
@@ -344,3 +346,11 @@ def test_the_dequantization_kernel_equals_torchs_ops_bit_for_bit(kind, dtype, fe
     second = run()
     assert second.data_ptr() != first.data_ptr()
     torch.testing.assert_close(second, want, rtol=0, atol=0, equal_nan=True)
+    # Into given rows (a scratch weight's, at an offset), the rows around them untouched.
+    scratch = torch.full((rows + 3, features), 7, dtype=dtype, device="cuda")
+    into = scratch[2:2 + rows]
+    assert run(into).data_ptr() == into.data_ptr()
+    torch.testing.assert_close(into, want, rtol=0, atol=0, equal_nan=True)
+    assert (scratch[:2] == 7).all() and (scratch[2 + rows:] == 7).all()
+    with pytest.raises(codegen.InternalError, match="dequantizing into"):
+        run(scratch[1:1 + rows].t().contiguous().t())

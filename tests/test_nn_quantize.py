@@ -153,6 +153,79 @@ def test_each_offloaded_linear_equals_the_torch_reference(kind, dtype, bias):
                                    rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows, scratch", [(512, None), (65, None), (512, 48 * 1024)])
+def test_a_quantized_call_of_many_rows_runs_a_gemm_per_scratch_weight(kind, bias, rows,
+                                                                      scratch, monkeypatch):
+    """A call of more than MERGED_ROWS rows dequantizes each piece into its rows of a
+    scratch weight and runs one GEMM per scratch: a scratch is one piece or at most
+    SCRATCH_BYTES and the call's larger activation, and takes every next piece that fits.
+    Weights are larger than the ring (a piece's copy waits for the dequantization of
+    an earlier piece of the same call, before the call's GEMM). 512 rows of input
+    (activations larger than any weight) with the default SCRATCH_BYTES: one GEMM a call;
+    65, or a small SCRATCH_BYTES: several. Values equal the torch reference, biases
+    included."""
+    from codegen.nn import streamer as streamer_module
+
+    if scratch is not None:
+        monkeypatch.setattr(streamer_module, "SCRATCH_BYTES", scratch)
+    ref = Stack(torch.float32, bias)
+    weights = {n: reference_weight(m.weight, kind) for n, m in ref.named_children()}
+    model = codegen.nn.offload(copy.deepcopy(ref), device="cpu", quantize=kind,
+                               staging=24 * 1024, copy_size=8 * 1024)
+    plan = codegen.nn.offload_plan(model)
+    assert all(call.pieces for call in plan.calls)
+    assert sum(plan.layouts[call.linear].weight_bytes > plan.ring_bytes
+               for call in plan.calls) >= 2
+    gemms = []
+    gemm = streamer_module._gemm
+
+    def spy(x, w, b, out, r0, r1):
+        gemms.append((x.shape[0], w.shape[0], r0, r1, out is None))
+        return gemm(x, w, b, out, r0, r1)
+
+    monkeypatch.setattr(streamer_module, "_gemm", spy)
+    torch.manual_seed(4)
+    assert rows > streamer_module.MERGED_ROWS
+    x = torch.randn(rows, 256)
+    want = x
+    for n, m in ref.named_children():
+        want = F.linear(want, weights[n], m.bias)
+        want = torch.relu(want) if n != "c" else want
+    with torch.no_grad():
+        for _ in range(2):
+            gemms.clear()
+            torch.testing.assert_close(model(x), want, rtol=1e-5, atol=1e-5)
+            at = 0
+            for call in plan.calls:
+                lay = plan.layouts[call.linear]
+                row = lay.in_features * 4
+                cap = min(streamer_module.SCRATCH_BYTES,
+                          x.shape[0] * max(lay.in_features, lay.out_features) * 4)
+                pieces = [p.rows for p in call.pieces]
+                mine = []
+                while at < len(gemms) and (not mine or mine[-1][3] < lay.out_features):
+                    mine.append(gemms[at])
+                    at += 1
+                assert [(g[2], g[3]) for g in mine][0][0] == 0
+                assert all(a[3] == b[2] for a, b in zip(mine, mine[1:]))  # in order, whole
+                assert mine[-1][3] == lay.out_features and mine[0][4] == (len(mine) == 1)
+                for _, scratch_rows, r0, r1, _ in mine:
+                    assert scratch_rows == r1 - r0
+                    starts = [p[0] for p in pieces]
+                    assert r0 in starts and (r1 in starts or r1 == lay.out_features)
+                    assert (r1 - r0) * row <= cap or (r0, r1) in pieces  # fits, or one piece
+                for a, b in zip(mine, mine[1:]):  # the next piece did not fit
+                    nxt = next(p for p in pieces if p[0] == b[2])
+                    assert (nxt[1] - a[2]) * row > cap
+            assert at == len(gemms)
+            if rows == 512 and scratch is None:
+                assert len(gemms) == len(plan.calls)
+            else:
+                assert len(gemms) > len(plan.calls)  # some weight ran as several GEMMs
+
+
 def quantized_reference(ref, kind, keep=lambda n: n != "lm_head"):
     """``ref`` with each kept Linear's weight replaced by its dequantized quantization."""
     out = copy.deepcopy(ref)
@@ -417,6 +490,12 @@ for kind, features in (("fp8", 14), ("fp8", 40), ("int4", 384), ("fp8", 2050),
             assert got.dtype == dtype and got.shape == want.shape and got.is_contiguous()
             same = (got == want) | (got.isnan() & want.isnan())
             assert same.all(), (kind, features, dtype, (got - want).abs().max())
+            if features * dtype.itemsize % 16 == 0:  # into rows of a scratch, at an offset
+                scratch = torch.full((piece.shape[0] + 2, features), 5, dtype=dtype)
+                into = scratch[1:-1]
+                _launcher(piece, kind, features, dtype)(into)
+                same = (into == want) | (into.isnan() & want.isnan())
+                assert same.all() and (scratch[0] == 5).all() and (scratch[-1] == 5).all()
         got = _launcher(pack_rows(q, scale, kind), kind, features, dtype)()
         assert torch.equal(got, quantize.dequantize_reference(q, scale, dtype)), (kind, dtype)
 print("ok")
@@ -470,10 +549,11 @@ def test_the_gpu_dequantization_kernels_equal_torchs_ops_bit_for_bit_interpreted
 @pytest.mark.parametrize("staging, copy_size", [("24KiB", "4KiB"), (None, None)])
 def test_long_and_short_calls_on_quantized_weights_match_the_reference(kind, staging,
                                                                       copy_size):
-    """Calls of more than MERGED_ROWS rows (a GEMM and a dequantization per piece) and of
-    one row (per merged run), mixed across forwards under rings that wrap: the logits are
-    the dequantized reference's, every read of the ring checked against its copy, and
-    each forward dequantizes every group of the way its calls run once, in plan order."""
+    """Calls of more than MERGED_ROWS rows (a dequantization per piece, into a scratch
+    weight) and of one row (per merged run), mixed across forwards under rings that wrap:
+    the logits are the dequantized reference's, every read of the ring checked against its
+    copy, and each forward dequantizes every group of the way its calls run once, in plan
+    order."""
     from codegen.nn.streamer import MERGED_ROWS
 
     ref = tiny_llama(dtype=torch.bfloat16, seed=8, hidden=128, intermediate=256,
@@ -488,7 +568,7 @@ def test_long_and_short_calls_on_quantized_weights_match_the_reference(kind, sta
 
     def counted(groups, way):
         def spy(c, k, dequantize):
-            return lambda: (seen.append((way, c, k)), dequantize())[1]
+            return lambda *into: (seen.append((way, c, k)), dequantize(*into))[1]
         return [[(g[0], spy(c, k, g[1]), *g[2:]) for k, g in enumerate(call)]
                 for c, call in enumerate(groups)]
 

@@ -28,6 +28,8 @@ from typing import Any
 
 import torch
 
+from ..errors import InternalError
+
 FORMATS = ("fp8", "int4")
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -136,15 +138,22 @@ def unpack_rows(raw: torch.Tensor, kind: str, in_features: int,
 
 
 def dequantizer(raw: torch.Tensor, kind: str, in_features: int,
-                dtype: torch.dtype) -> Callable[[], torch.Tensor]:
-    """``unpack_rows`` of ``raw`` as a function of no arguments that reads the rows as they
-    are when it is called: its views and launch arguments are made once (the streamer
-    makes one per GEMM piece and calls it every forward). On a GPU it is one Triton kernel
-    (:mod:`codegen.nn.kernels`); elsewhere, and where that kernel cannot be built, torch's
-    elementwise ops (:func:`unpack_rows_eager`)."""
+                dtype: torch.dtype) -> Callable[..., torch.Tensor]:
+    """``unpack_rows`` of ``raw`` as a function that reads the rows as they are when it is
+    called: its views and launch arguments are made once (the streamer makes one per GEMM
+    piece and calls it every forward). Called with ``into`` (contiguous ``dtype`` [rows,
+    in_features]), it writes the rows there, else into new ones, and returns them. On a GPU
+    it is one Triton kernel (:mod:`codegen.nn.kernels`); elsewhere, and where that kernel
+    cannot be built, torch's elementwise ops (:func:`unpack_rows_eager`)."""
     if raw.is_cuda and raw.shape[0] and _kernel(kind, dtype, raw.device) is not None:
         return _launcher(raw, kind, in_features, dtype)
-    return functools.partial(unpack_rows_eager, raw, kind, in_features, dtype)
+    return functools.partial(_eager_into, raw, kind, in_features, dtype)
+
+
+def _eager_into(raw: torch.Tensor, kind: str, in_features: int, dtype: torch.dtype,
+                into: torch.Tensor | None = None) -> torch.Tensor:
+    rows = unpack_rows_eager(raw, kind, in_features, dtype)
+    return rows if into is None else into.copy_(rows)
 
 
 _KERNELS: dict[Any, Any] = {}  # (kind, dtype) -> the Triton kernel, or None where it failed
@@ -188,17 +197,19 @@ def _launcher(raw: torch.Tensor, kind: str, in_features: int, dtype: torch.dtype
 
 class _Launch:
     """A dequantization kernel bound to raw arena rows, its grid and arguments made once;
-    each call allocates the weight rows, launches one kernel on the current stream of the
-    rows' device and returns them. bfloat16 rows are written as int16 (the kernel rounds
-    them itself).
+    each call allocates the weight rows (or takes them: contiguous, at a multiple of 16
+    bytes, as the compiled kernel assumes), launches one kernel on the current stream of
+    the rows' device and returns them. bfloat16 rows are written as int16 (the kernel
+    rounds them itself).
 
     The first launch goes through Triton's JIT, which compiles (or finds) the kernel for
     its arguments' specialization (their alignment, and which integers are 1 or multiples
     of 16) and returns it; later launches call that compiled kernel directly
     (``compiled``), skipping the JIT's binding of the arguments. Their arguments are
     specialized alike: the same rows, strides and sizes, and new rows from torch's
-    allocator (aligned to 512 bytes). Triton's CPU interpreter (the tests) returns no
-    compiled kernel and launches through the JIT each time."""
+    allocator (aligned to 512 bytes) or given ones (checked for 16). Triton's CPU
+    interpreter (the tests) returns no compiled kernel and launches through the JIT each
+    time."""
 
     def __init__(self, raw: torch.Tensor, kind: str, in_features: int, dtype: torch.dtype,
                  kernel: Any) -> None:
@@ -219,8 +230,15 @@ class _Launch:
         self.index = raw.device.index if raw.device.type == "cuda" else None
         self.compiled: Any = None  # the compiled kernel's launcher at this grid
 
-    def __call__(self) -> torch.Tensor:
-        out = torch.empty(self.shape, dtype=self.stored, device=self.device)
+    def __call__(self, into: torch.Tensor | None = None) -> torch.Tensor:
+        if into is not None and (into.shape != self.shape or into.dtype != self.dtype
+                                 or not into.is_contiguous() or into.data_ptr() % 16):
+            raise InternalError(
+                f"codegen.nn.offload: dequantizing into a {into.dtype} {tuple(into.shape)} "
+                f"tensor; expected contiguous {self.dtype} {self.shape} at a multiple of 16 "
+                "bytes (bug)")
+        out = (torch.empty(self.shape, dtype=self.stored, device=self.device) if into is None
+               else into.view(self.stored))
         raw, scale, *rest = self.args
         with (torch.cuda.device(self.index) if self.index is not None
               else contextlib.nullcontext()):

@@ -53,6 +53,21 @@ from .quantize import dequantizer, unpack_rows
 # A call whose input has at most this many rows (a decode step, a small batch) runs its
 # pieces merged (``Streamer._merged``): fewer GEMMs and waits to queue.
 MERGED_ROWS = 64
+# A quantized call of more rows dequantizes its pieces into rows of a scratch weight of at
+# most this many bytes, and no more than its input's or output's (activation-sized, from
+# the caching allocator), and runs one GEMM per scratch (``Streamer._dequantized``).
+SCRATCH_BYTES = 128 * 2**20
+
+
+def _gemm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, out: torch.Tensor | None,
+          r0: int, r1: int) -> torch.Tensor:
+    """``F.linear(x, w, b)``: the whole output where ``out`` is None, else its columns
+    ``r0:r1`` of ``out``."""
+    if out is None:
+        return F.linear(x, w, b)
+    if b is None:
+        return torch.mm(x, w.t(), out=out[:, r0:r1])  # type: ignore[index]
+    return torch.addmm(b, x, w.t(), out=out[:, r0:r1])  # type: ignore[index]
 
 
 class OrderCheck:
@@ -292,6 +307,8 @@ class Streamer:
         self.versions = self._versions()
         self.probe_sets: list[list[Any]] = [[], []]
         self.probe_waits = True  # time each wait for a copy (the report's exposed_copy_ms)
+        self.scratch_gemms = True  # quantized calls of many rows: ``_dequantized``
+        self.wait_ahead = 0  # calls of many rows: copies waited for ahead (``_await_copies``)
         self.forwards = 0
         self.probe_used = 0
         self.now: ForwardCopies | None = None
@@ -426,13 +443,15 @@ class Streamer:
             self.issued += 1
         return ready
 
-    def _await_copies(self, stream: Any, spans: Sequence[int]) -> None:
+    def _await_copies(self, stream: Any, spans: Sequence[int], ahead: int = 0) -> None:
         """The caller's stream waits for the copies of ``spans`` of this lap (queued
         first), timed. The copy stream runs its copies in the order they were queued, so a
         wait for one copy orders ``stream`` after every copy queued before it too: the
         stream waits once, for the last queued of ``spans``, and a span it has waited past
         (``waited``: the stream and the first index it has not, this forward) needs no
-        wait of its own, as a second piece of the same span, or the bias block, finds."""
+        wait of its own, as a second piece of the same span, or the bias block, finds.
+        With ``ahead``, the wait is for up to that many copies queued after them too, so
+        that the next pieces need none of their own."""
         n = len(self.plan.spans)
         key = self.backend.key(stream)
         past = self.waited[1] if self.waited is not None and self.waited[0] == key else 0
@@ -449,6 +468,9 @@ class Streamer:
                 last = max(last, index)
         if last < 0:
             return
+        # Ahead: the spans queued right after it too, where already queued (their waits
+        # were recorded, so waiting for them cannot wait for this stream's later work).
+        last = min(last + ahead, self.issued - 1)
         self.waited = (key, max(last + 1, past))
         probe = self.probe_waits and self.now is not None and not self.capturing and isinstance(
             self.backend, _CudaBackend)
@@ -548,39 +570,90 @@ class Streamer:
         if not call.pieces:  # no weight bytes: the caller's unplanned call is as cheap
             self._advance()
             return None
+        if call.bias_span is not None:
+            self._await_copies(stream, (call.bias_span,))
+        if (lay.quant is not None and x.shape[0] > MERGED_ROWS and self.scratch_gemms
+                and lay.in_features * lay.dtype.itemsize % 16 == 0):
+            out = self._dequantized(call, x, stream)
+            if self.now is not None:
+                self.now.planned_calls += 1
+            self._advance()
+            return out
         # Few rows (a decode step): one GEMM per merged run of pieces, for the host's sake
         # (the GEMMs are too short to gain from starting before the run's last copy).
         groups = (self.merged_groups if x.shape[0] <= MERGED_ROWS
                   else self.piece_groups)[self.cursor]
-        single = len(groups) == 1
-        out = None if single else x.new_empty(x.shape[0], lay.out_features)
-        if call.bias_span is not None:
-            self._await_copies(stream, (call.bias_span,))
+        out = None if len(groups) == 1 else x.new_empty(x.shape[0], lay.out_features)
+        ahead = self.wait_ahead if x.shape[0] > MERGED_ROWS else 0
         for spans, w, b, lo, hi, b_lo, b_hi, r0, r1, frees in groups:
-            self._await_copies(stream, spans)
+            self._await_copies(stream, spans, ahead)
             self.backend.read(stream, "ring", lo, hi)
             if b is not None:
                 self.backend.read(stream, "biases", b_lo, b_hi)
             if lay.quant is not None:
                 w = w()  # the rows dequantized (their dequantizer)
-            if single:
-                out = F.linear(x, w, b)
-            elif b is None:
-                torch.mm(x, w.t(), out=out[:, r0:r1])  # type: ignore[index]
-            else:
-                torch.addmm(b, x, w.t(), out=out[:, r0:r1])  # type: ignore[index]
-            self._free(stream, frees)
-            if self.now is not None:
-                for j in (*spans, call.bias_span):
-                    if j is not None and (self.lap, j) not in self.now.read:
-                        self.now.read.add((self.lap, j))
-                        self.now.copies += 1
-                        self.now.bytes += self.plan.spans[j].nbytes
-            self._pump()
+            y = _gemm(x, w, b, out, r0, r1)
+            self._release(stream, call, spans, frees)
         if self.now is not None:
             self.now.planned_calls += 1
         self._advance()
-        return out
+        return y if out is None else out
+
+    def _dequantized(self, call: Any, x: torch.Tensor, stream: Any) -> torch.Tensor:
+        """A quantized call of many rows (a prefill): each piece, once its copy is in,
+        dequantized into its rows of a scratch weight, its spans freed right after that (the
+        dequantization is their only reader, so the copies behind them start before the
+        GEMM); then one GEMM per scratch, the GEMM the model makes with its weight on the
+        GPU. A scratch holds whole pieces, at most ``SCRATCH_BYTES`` and the larger of the
+        call's input and output bytes (one piece where that is less), so a weight larger
+        than that runs as several GEMMs, each into its output columns."""
+        lay = self.plan.layouts[call.linear]
+        row = lay.in_features * lay.dtype.itemsize
+        cap = min(SCRATCH_BYTES, x.shape[0] * max(lay.in_features, lay.out_features)
+                  * lay.dtype.itemsize)
+        chunks: list[list[tuple[Any, ...]]] = []
+        for group in self.piece_groups[self.cursor]:
+            r0, r1 = group[7], group[8]
+            if chunks and (r1 - chunks[-1][0][7]) * row <= cap:
+                chunks[-1].append(group)
+            else:
+                chunks.append([group])
+        out = None if len(chunks) == 1 else x.new_empty(x.shape[0], lay.out_features)
+        biases: list[int] = []  # the bias block, freed after the GEMMs that read it
+        for chunk in chunks:
+            c0, c1 = chunk[0][7], chunk[-1][8]
+            scratch = torch.empty(c1 - c0, lay.in_features, dtype=lay.dtype, device=x.device)
+            for spans, w, _, lo, hi, _, _, r0, r1, frees in chunk:
+                self._await_copies(stream, spans, self.wait_ahead)
+                self.backend.read(stream, "ring", lo, hi)
+                w(scratch[r0 - c0:r1 - c0])
+                biases += [j for j in frees if self.plan.spans[j].is_bias_block]
+                self._release(stream, call, spans,
+                              [j for j in frees if not self.plan.spans[j].is_bias_block])
+            b = None
+            if lay.bias_offset is not None:
+                b_lo = lay.bias_offset + c0 * lay.dtype.itemsize
+                b_hi = b_lo + (c1 - c0) * lay.dtype.itemsize
+                self.backend.read(stream, "biases", b_lo, b_hi)
+                b = self.biases[b_lo:b_hi].view(lay.dtype)
+            y = _gemm(x, scratch, b, out, c0, c1)
+        if biases:
+            self._free(stream, biases)
+            self._pump()
+        return y if out is None else out
+
+    def _release(self, stream: Any, call: Any, spans: Sequence[int],
+                 frees: Sequence[int]) -> None:
+        """A piece's reads are queued: frees the spans it read last, counts what it read in
+        the forward's record, and queues the copies that may now follow."""
+        self._free(stream, frees)
+        if self.now is not None:
+            for j in (*spans, call.bias_span):
+                if j is not None and (self.lap, j) not in self.now.read:
+                    self.now.read.add((self.lap, j))
+                    self.now.copies += 1
+                    self.now.bytes += self.plan.spans[j].nbytes
+        self._pump()
 
     def _free(self, stream: Any, spans: Sequence[int]) -> None:
         """``spans``' last reads of this lap are queued on ``stream``: the copies that
