@@ -492,39 +492,6 @@ def test_the_callers_stream_waits_once_for_each_span_it_reads(rows, monkeypatch)
         model(ids)
 
 
-@pytest.mark.parametrize("ahead", [1, 3])
-@pytest.mark.parametrize("staging", [90000, 20000])
-def test_a_wait_ahead_covers_the_copies_queued_after_the_spans_a_call_reads(ahead, staging,
-                                                                           monkeypatch):
-    """With ``wait_ahead``, a call of more than MERGED_ROWS rows waits for up to that many
-    copies queued after the spans it reads too: fewer waits, the next pieces reading
-    without their own, and never a wait for a copy not queued yet (a small ring holds few
-    spans ahead): every read is checked against its copy by the order check."""
-    from codegen.nn.streamer import MERGED_ROWS
-
-    ref = tiny_llama(seed=5, max_positions=128)
-    ids = torch.randint(0, 97, (1, MERGED_ROWS + 1))
-    counts = {}
-    for a in (0, ahead):
-        model = offloaded(ref, staging=staging, copy_size=4096)
-        s = model._codegen_offload.streamer
-        s.wait_ahead = a
-        waits: list[object] = []
-        wait = s.backend.wait
-        monkeypatch.setattr(s.backend, "wait", lambda stream, event, waits=waits, wait=wait: (
-            waits.append(stream) if stream == "current" else None, wait(stream, event)))
-        with torch.no_grad():
-            for _ in range(3):
-                waits.clear()
-                torch.testing.assert_close(model(ids).logits, ref(ids).logits, rtol=1e-5,
-                                           atol=1e-5)
-                counts[a] = len(waits)
-        assert codegen.nn.report(model).unplanned_calls == 0
-    spans = len(s.plan.spans)
-    assert counts[0] == spans  # a GEMM per piece: each span's first read
-    assert -(-spans // (ahead + 1)) <= counts[ahead] < counts[0]
-
-
 @pytest.mark.parametrize("staging, copy_size", [(200000, 30000), (40000, 4096)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_forwards_on_two_caller_streams_in_turn(bias, staging, copy_size, monkeypatch):

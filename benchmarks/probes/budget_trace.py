@@ -27,8 +27,7 @@ every GEMM piece, as the streamer did before it waited once for each span a forw
 ``merged``, every call's pieces merged into a GEMM per run back to back in the ring, as
 a call of few rows runs; ``gemm_per_piece``, a quantized call of many rows dequantizing
 each piece into rows of its own and running a GEMM on them (instead of one GEMM per
-scratch weight); ``wait_ahead_<n>``, a call of many rows waiting for up to ``n`` copies
-queued after the spans it reads too (fewer waits, the copies read later);
+scratch weight);
 for timing only, what the ordering costs: ``unordered``, no waits between the streams at
 all, ``unordered_reads``, no waits of the GEMMs for their copies, ``unordered_copies``, no
 waits of the copies for the reads of the bytes they overwrite (the logits are wrong);
@@ -92,8 +91,7 @@ def offloaded(config: str, layers: int) -> torch.nn.Module:
 
 
 CONDITIONS = ("as_is", "no_wait_probes", "wait_per_piece", "whole_weights", "merged",
-              "gemm_per_piece", "wait_ahead_1", "wait_ahead_2", "unordered",
-              "unordered_copies", "unordered_reads")
+              "gemm_per_piece", "unordered", "unordered_copies", "unordered_reads")
 
 
 def condition(model: torch.nn.Module, name: str) -> None:
@@ -114,8 +112,6 @@ def condition(model: torch.nn.Module, name: str) -> None:
         streamer._set_plan(plan)
     streamer.probe_waits = "no_wait_probes" not in names
     streamer.scratch_gemms = "gemm_per_piece" not in names
-    streamer.wait_ahead = next((int(n[len("wait_ahead_"):]) for n in names
-                                if n.startswith("wait_ahead_")), 0)
     streamer.__dict__.pop("_await_copies", None)
     streamer.backend.__dict__.pop("wait", None)
     streamer_module.MERGED_ROWS = 1 << 30 if "merged" in names else MERGED_ROWS

@@ -308,7 +308,6 @@ class Streamer:
         self.probe_sets: list[list[Any]] = [[], []]
         self.probe_waits = True  # time each wait for a copy (the report's exposed_copy_ms)
         self.scratch_gemms = True  # quantized calls of many rows: ``_dequantized``
-        self.wait_ahead = 0  # calls of many rows: copies waited for ahead (``_await_copies``)
         self.forwards = 0
         self.probe_used = 0
         self.now: ForwardCopies | None = None
@@ -443,15 +442,13 @@ class Streamer:
             self.issued += 1
         return ready
 
-    def _await_copies(self, stream: Any, spans: Sequence[int], ahead: int = 0) -> None:
+    def _await_copies(self, stream: Any, spans: Sequence[int]) -> None:
         """The caller's stream waits for the copies of ``spans`` of this lap (queued
         first), timed. The copy stream runs its copies in the order they were queued, so a
         wait for one copy orders ``stream`` after every copy queued before it too: the
         stream waits once, for the last queued of ``spans``, and a span it has waited past
         (``waited``: the stream and the first index it has not, this forward) needs no
-        wait of its own, as a second piece of the same span, or the bias block, finds.
-        With ``ahead``, the wait is for up to that many copies queued after them too, so
-        that the next pieces need none of their own."""
+        wait of its own, as a second piece of the same span, or the bias block, finds."""
         n = len(self.plan.spans)
         key = self.backend.key(stream)
         past = self.waited[1] if self.waited is not None and self.waited[0] == key else 0
@@ -468,9 +465,6 @@ class Streamer:
                 last = max(last, index)
         if last < 0:
             return
-        # Ahead: the spans queued right after it too, where already queued (their waits
-        # were recorded, so waiting for them cannot wait for this stream's later work).
-        last = min(last + ahead, self.issued - 1)
         self.waited = (key, max(last + 1, past))
         probe = self.probe_waits and self.now is not None and not self.capturing and isinstance(
             self.backend, _CudaBackend)
@@ -584,9 +578,8 @@ class Streamer:
         groups = (self.merged_groups if x.shape[0] <= MERGED_ROWS
                   else self.piece_groups)[self.cursor]
         out = None if len(groups) == 1 else x.new_empty(x.shape[0], lay.out_features)
-        ahead = self.wait_ahead if x.shape[0] > MERGED_ROWS else 0
         for spans, w, b, lo, hi, b_lo, b_hi, r0, r1, frees in groups:
-            self._await_copies(stream, spans, ahead)
+            self._await_copies(stream, spans)
             self.backend.read(stream, "ring", lo, hi)
             if b is not None:
                 self.backend.read(stream, "biases", b_lo, b_hi)
@@ -624,7 +617,7 @@ class Streamer:
             c0, c1 = chunk[0][7], chunk[-1][8]
             scratch = torch.empty(c1 - c0, lay.in_features, dtype=lay.dtype, device=x.device)
             for spans, w, _, lo, hi, _, _, r0, r1, frees in chunk:
-                self._await_copies(stream, spans, self.wait_ahead)
+                self._await_copies(stream, spans)
                 self.backend.read(stream, "ring", lo, hi)
                 w(scratch[r0 - c0:r1 - c0])
                 biases += [j for j in frees if self.plan.spans[j].is_bias_block]
