@@ -6,6 +6,7 @@ weights written between forwards and a second thread; every read and write of th
 staging checked against the events by the CPU backend's vector clocks."""
 
 import copy
+import dataclasses
 import math
 import threading
 
@@ -221,6 +222,27 @@ def test_the_default_staging_is_half_the_largest_layer():
     plan = model._codegen_offload.streamer.plan
     assert layer // 2 <= plan.ring_bytes <= layer // 2 + plan.copy_bytes + 64 * 4 + 2 * ALIGN
     assert len(plan.spans) > 1
+
+
+@pytest.mark.parametrize("kind", ["fp8", "int4"])
+def test_a_quantized_models_default_staging_holds_four_of_its_largest_weights(kind):
+    """A prefill's GEMM reads its whole weight dequantized, so a quantized model's ring
+    holds at least four of its largest streamed weights (or the whole lap), more than half
+    of its largest layer."""
+    from codegen.nn.offload import default_staging
+    from codegen.nn.plan import round_up
+
+    ref = tiny_llama(hidden=128, intermediate=512, layers=6)
+    model = codegen.nn.offload(copy.deepcopy(ref), device="cpu", quantize=kind)
+    plan = model._codegen_offload.streamer.plan
+    largest = max(round_up(lay.weight_bytes, ALIGN) for lay in plan.layouts)
+    layer = sum(lay.weight_bytes for lay in plan.layouts if ".layers.0." in lay.name)
+    lap = sum(round_up(lay.weight_bytes, ALIGN) for lay in plan.layouts)
+    assert 4 * largest < lap and 4 * largest > layer // 2 + ALIGN
+    assert default_staging(list(plan.layouts)) == round_up(4 * largest, ALIGN)
+    assert plan.ring_bytes >= 4 * largest
+    bf16 = dataclasses.replace(plan.layouts[0], quant=None)  # not quantized: half a layer
+    assert default_staging([bf16]) == round_up(bf16.weight_bytes // 2, ALIGN)
 
 
 def test_biases_travel_in_one_block():
