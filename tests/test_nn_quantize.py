@@ -503,6 +503,29 @@ print("ok")
 
 
 @pytest.mark.parametrize("kind", KINDS)
+def test_a_dequantizer_writes_into_given_rows_and_refuses_others(kind):
+    """Into rows of a scratch weight (at an offset): the same values, the rows around
+    untouched; rows of another shape, dtype or layout, or not at a multiple of 16 bytes,
+    are refused by name rather than broadcast or cast."""
+    from codegen.nn.quantize import dequantizer
+
+    torch.manual_seed(6)
+    q, scale = codegen.nn.quantize_weight(torch.randn(24, 256), kind)
+    raw = pack_rows(q, scale, kind)
+    run = dequantizer(raw, kind, 256, torch.float32)
+    scratch = torch.full((26, 256), 7.0)
+    into = scratch[1:25]
+    assert run(into).data_ptr() == into.data_ptr()
+    assert torch.equal(into, dequantize_reference(q, scale, torch.float32))
+    assert (scratch[0] == 7).all() and (scratch[25] == 7).all()
+    flat = torch.empty(24 * 256 + 4)
+    for bad in (scratch[:23], scratch[:24].to(torch.float64), scratch[:24].t().contiguous().t(),
+                flat[1:1 + 24 * 256].view(24, 256)):
+        with pytest.raises(codegen.InternalError, match="dequantizing into"):
+            run(bad)
+
+
+@pytest.mark.parametrize("kind", KINDS)
 def test_no_rows_dequantize_to_no_rows(kind):
     from codegen.nn.quantize import unpack_rows_eager
 

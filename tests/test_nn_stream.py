@@ -245,6 +245,33 @@ def test_a_quantized_models_default_staging_holds_four_of_its_largest_weights(ki
     assert default_staging([bf16]) == round_up(bf16.weight_bytes // 2, ALIGN)
 
 
+def test_a_quantized_weight_larger_than_a_scratch_counts_one_scratch_of_rows():
+    """An 8B-shaped layer and an untied lm_head of 128256 rows, in fp8: lm_head runs a
+    prefill as several scratches of SCRATCH_BYTES dequantized (16384 of its 4096-wide bf16
+    rows), so the ring holds four scratches' rows of it, not four lm_heads (2 GiB)."""
+    from codegen.nn.offload import default_staging
+    from codegen.nn.plan import round_up
+    from codegen.nn.streamer import SCRATCH_BYTES
+
+    shapes = [("q_proj", 4096, 4096), ("k_proj", 1024, 4096), ("v_proj", 1024, 4096),
+              ("o_proj", 4096, 4096), ("gate_proj", 14336, 4096), ("up_proj", 14336, 4096),
+              ("down_proj", 4096, 14336)]
+    layouts, at = [], 0
+    for i in range(4):
+        for name, out, inp in shapes:
+            layouts.append(Layout(f"model.layers.{i}.{name}", torch.bfloat16, out, inp, at,
+                                  None, "fp8"))
+            at += round_up(layouts[-1].weight_bytes, ALIGN)
+    gate = layouts[4].weight_bytes  # 14336 rows of 4096 values and a bf16 scale
+    assert gate == 14336 * 4098 and SCRATCH_BYTES // (4096 * 2) >= 14336
+    assert default_staging(layouts) == round_up(4 * round_up(gate, ALIGN), ALIGN)
+    lm_head = Layout("lm_head", torch.bfloat16, 128256, 4096, at, None, "fp8")
+    rows = SCRATCH_BYTES // (4096 * 2)
+    assert rows == 16384
+    assert default_staging([*layouts, lm_head]) == round_up(4 * round_up(rows * 4098, ALIGN),
+                                                            ALIGN)
+
+
 def test_biases_travel_in_one_block():
     torch.manual_seed(0)
     ref = nn.Sequential(nn.Linear(40, 64), nn.ReLU(), nn.Linear(64, 48), nn.ReLU(),

@@ -79,7 +79,7 @@ from .plan import (
 )
 from .quantize import FP8, check_format, pack_rows, quantize_weight, unsupported
 from .quantize import row_bytes as quantized_row_bytes
-from .streamer import ForwardCopies, Streamer
+from .streamer import SCRATCH_BYTES, ForwardCopies, Streamer
 
 Filter = Callable[[str, nn.Linear], bool]
 
@@ -656,7 +656,8 @@ def offload(model: nn.Module, slices: int = 8, *, filter: Filter | None = None, 
     tests). ``prefetch`` (the default): forwards stream the arena by a copy plan
     (``codegen/nn/plan.py``): copies of about ``copy_size`` bytes (default
     ``DEFAULT_COPY_BYTES``) across Linear boundaries, into a GPU staging ring of
-    ``staging`` bytes (default: half of the largest decoder layer's offloaded weights),
+    ``staging`` bytes (default: ``default_staging``, half of the largest decoder layer's
+    offloaded weights; quantized, at least four of its largest weights),
     run ahead of the GEMM pieces that read them, into the next forward too (a forward
     whose offloaded weights were written in place since the last one first orders its
     copies after the caller's stream: docs/offload.md); calls that
@@ -960,10 +961,12 @@ def default_staging(layouts: list[Layout] | list[Resident]) -> int:
     one (54 MiB for an 8B model in int4) would cut the copies to 13 MiB, which the copy
     engine moves more slowly, each with a GEMM piece's host time (measured: the 8B model's
     int4 decode step at 2.7x its copy floor with a 54 MiB ring). And where weights are
-    quantized, at least four of the largest (no more than a lap): a prefill's GEMM reads
-    its whole weight, dequantized, so its copies must all be in, and the ring holds the
-    next weights' copies meanwhile (measured: the 8B model's fp8 4096-token prefill 0.981x
-    of a GEMM per piece with a 192 or 256 MiB ring, 0.999x with 128 MiB)."""
+    quantized, at least four of the largest (no more than a lap), each counted up to the
+    quantized rows of one scratch (``SCRATCH_BYTES`` dequantized: an lm_head's 128256 rows
+    run as several GEMMs): a prefill's GEMM reads its scratch whole, dequantized, so its
+    copies must all be in, and the ring holds the next ones meanwhile (measured: the 8B
+    model's fp8 4096-token prefill 0.981x of a GEMM per piece with a 192 or 256 MiB ring,
+    0.999x with 128 MiB)."""
     layers: dict[str, int] = {}
     for lay in layouts:  # each weight as it is streamed (quantized, where it is)
         key = _layer_of(lay.name)
@@ -971,9 +974,17 @@ def default_staging(layouts: list[Layout] | list[Resident]) -> int:
     lap = sum(layers.values())
     half = min(max(layers.values(), default=0) // 2, lap)
     least = 4 * DEFAULT_COPY_BYTES if lap >= 16 * DEFAULT_COPY_BYTES else 0
-    whole = min(4 * max((round_up(lay.streamed_weight_bytes, ALIGN) for lay in layouts
-                         if lay.quant is not None), default=0), lap)
+    whole = min(4 * max((round_up(_scratch_rows(lay) * lay.streamed_weight_bytes
+                                  // lay.out_features, ALIGN)
+                         for lay in layouts if lay.quant is not None), default=0), lap)
     return max(round_up(max(half, least, whole), ALIGN), ALIGN)
+
+
+def _scratch_rows(lay: Layout | Resident) -> int:
+    """How many of ``lay``'s rows one scratch of a prefill's quantized call holds (all of
+    them, or ``SCRATCH_BYTES`` of them dequantized)."""
+    return max(min(lay.out_features, SCRATCH_BYTES // (lay.in_features * lay.dtype.itemsize)),
+               1)
 
 
 def _streamer(chosen: list[tuple[str, nn.Linear]], arena: Arena, device: torch.device,

@@ -152,8 +152,21 @@ def dequantizer(raw: torch.Tensor, kind: str, in_features: int,
 
 def _eager_into(raw: torch.Tensor, kind: str, in_features: int, dtype: torch.dtype,
                 into: torch.Tensor | None = None) -> torch.Tensor:
+    if into is not None:
+        _check_into(into, (raw.shape[0], in_features), dtype)
     rows = unpack_rows_eager(raw, kind, in_features, dtype)
     return rows if into is None else into.copy_(rows)
+
+
+def _check_into(into: torch.Tensor, shape: tuple[int, int], dtype: torch.dtype) -> None:
+    """``into`` can take the dequantized rows: contiguous ``dtype`` of ``shape``, at a
+    multiple of 16 bytes (as a compiled kernel's store assumes)."""
+    if (tuple(into.shape) != tuple(shape) or into.dtype != dtype or not into.is_contiguous()
+            or into.data_ptr() % 16):
+        raise InternalError(
+            f"codegen.nn.offload: dequantizing into a {into.dtype} {tuple(into.shape)} "
+            f"tensor (contiguous: {into.is_contiguous()}, at byte {into.data_ptr() % 16} of "
+            f"16); expected contiguous {dtype} {tuple(shape)} at a multiple of 16 bytes (bug)")
 
 
 _KERNELS: dict[Any, Any] = {}  # (kind, dtype) -> the Triton kernel, or None where it failed
@@ -231,12 +244,8 @@ class _Launch:
         self.compiled: Any = None  # the compiled kernel's launcher at this grid
 
     def __call__(self, into: torch.Tensor | None = None) -> torch.Tensor:
-        if into is not None and (into.shape != self.shape or into.dtype != self.dtype
-                                 or not into.is_contiguous() or into.data_ptr() % 16):
-            raise InternalError(
-                f"codegen.nn.offload: dequantizing into a {into.dtype} {tuple(into.shape)} "
-                f"tensor; expected contiguous {self.dtype} {self.shape} at a multiple of 16 "
-                "bytes (bug)")
+        if into is not None:
+            _check_into(into, self.shape, self.dtype)
         out = (torch.empty(self.shape, dtype=self.stored, device=self.device) if into is None
                else into.view(self.stored))
         raw, scale, *rest = self.args

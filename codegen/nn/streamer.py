@@ -6,8 +6,10 @@ for the copies of its pieces' spans (a wait orders the caller's stream after eve
 queued before it too, so a stream waits at most once a forward for any span, and a run of
 spans once, for its last), queues its pieces (a call of few input rows, such as
 a decode step's, one GEMM per run of pieces back to back in the ring: its GEMMs are too
-short to gain from starting early, and each costs the host), records the events that
-free the spans it read last, then queues every copy whose waits have all been recorded: the copy
+short to gain from starting early, and each costs the host; a quantized call of more
+rows, each piece dequantized into its rows of a scratch weight, and one GEMM per
+scratch), records the events that free the spans it read last (a scratch's pieces right
+after their dequantization), then queues every copy whose waits have all been recorded: the copy
 stream runs as far ahead as the ring allows, across Linears and, at the end of a forward,
 into the first spans of the next one. A copy never waits for an event that has not been
 recorded yet (its record is what lets the host queue the copy), so every wait refers to
@@ -54,8 +56,9 @@ from .quantize import dequantizer, unpack_rows
 # pieces merged (``Streamer._merged``): fewer GEMMs and waits to queue.
 MERGED_ROWS = 64
 # A quantized call of more rows dequantizes its pieces into rows of a scratch weight of at
-# most this many bytes, and no more than its input's or output's (activation-sized, from
-# the caching allocator), and runs one GEMM per scratch (``Streamer._dequantized``).
+# most this many bytes, and no more than the larger of its input's and output's
+# (activation-sized, from the caching allocator), and runs one GEMM per scratch
+# (``Streamer._dequantized``).
 SCRATCH_BYTES = 128 * 2**20
 
 
