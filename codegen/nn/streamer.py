@@ -572,12 +572,18 @@ class Streamer:
         if (lay.quant is not None and x.shape[0] > MERGED_ROWS and self.scratch_gemms
                 and lay.in_features * lay.dtype.itemsize % 16 == 0):
             out = self._dequantized(call, x, stream)
-            if self.now is not None:
-                self.now.planned_calls += 1
-            self._advance()
-            return out
-        # Few rows (a decode step): one GEMM per merged run of pieces, for the host's sake
-        # (the GEMMs are too short to gain from starting before the run's last copy).
+        else:
+            out = self._by_pieces(call, x, stream)
+        if self.now is not None:
+            self.now.planned_calls += 1
+        self._advance()
+        return out
+
+    def _by_pieces(self, call: Any, x: torch.Tensor, stream: Any) -> torch.Tensor:
+        """A call's GEMMs on its pieces where they lie in the ring: one per piece, or, for
+        few rows (a decode step), one per merged run of pieces, for the host's sake (the
+        GEMMs are too short to gain from starting before the run's last copy)."""
+        lay = self.plan.layouts[call.linear]
         groups = (self.merged_groups if x.shape[0] <= MERGED_ROWS
                   else self.piece_groups)[self.cursor]
         out = None if len(groups) == 1 else x.new_empty(x.shape[0], lay.out_features)
@@ -590,9 +596,6 @@ class Streamer:
                 w = w()  # the rows dequantized (their dequantizer)
             y = _gemm(x, w, b, out, r0, r1)
             self._release(stream, call, spans, frees)
-        if self.now is not None:
-            self.now.planned_calls += 1
-        self._advance()
         return y if out is None else out
 
     def _dequantized(self, call: Any, x: torch.Tensor, stream: Any) -> torch.Tensor:
