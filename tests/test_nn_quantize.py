@@ -158,7 +158,7 @@ def test_each_offloaded_linear_equals_the_torch_reference(kind, dtype, bias):
 @pytest.mark.parametrize("rows, scratch", [(512, None), (65, None), (512, 48 * 1024)])
 def test_a_quantized_call_of_many_rows_runs_a_gemm_per_scratch_weight(kind, bias, rows,
                                                                       scratch, monkeypatch):
-    """A call of more than MERGED_ROWS rows dequantizes each piece into its rows of a
+    """A call of more than MERGED_ROWS rows dequantizes its pieces into their rows of a
     scratch weight and runs one GEMM per scratch: a scratch is one piece or at most
     SCRATCH_BYTES and the call's larger activation, and takes every next piece that fits.
     Weights are larger than the ring (a piece's copy waits for the dequantization of
@@ -571,14 +571,28 @@ def test_the_gpu_dequantization_kernels_equal_torchs_ops_bit_for_bit_interpreted
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("staging, copy_size", [("24KiB", "4KiB"), (None, None)])
 def test_long_and_short_calls_on_quantized_weights_match_the_reference(kind, staging,
-                                                                      copy_size):
-    """Calls of more than MERGED_ROWS rows (a dequantization per piece, into a scratch
-    weight) and of one row (per merged run), mixed across forwards under rings that wrap:
-    the logits are the dequantized reference's, every read of the ring checked against its
-    copy, and each forward dequantizes every group of the way its calls run once, in plan
-    order."""
+                                                                      copy_size, monkeypatch):
+    """Calls of more than MERGED_ROWS rows (runs of pieces dequantized into a scratch
+    weight, a GEMM per scratch) and of one row (a GEMM per merged run), mixed across
+    forwards under rings that wrap: the logits are the dequantized reference's, every read
+    of the ring checked against its copy, and each forward dequantizes every piece of every
+    call once, in plan order, in runs: each run pieces of the call back to back in the
+    ring, and the longest such run unless the end of a prefill's scratch (a GEMM) cuts it.
+    At 192 rows a scratch holds a whole weight (one GEMM a call); at 65, a weight of 256
+    rows of 128 takes two or more (a scratch holds whole pieces of at most 130 rows)."""
+    from codegen.nn import streamer as streamer_module
     from codegen.nn.streamer import MERGED_ROWS
 
+    log: list[tuple[int, int] | None] = []  # (ring offset, rows) of each dequantization;
+    make, gemm = streamer_module.dequantizer, streamer_module._gemm  # None: a GEMM
+
+    def dequantizer(raw, *args):
+        run = make(raw, *args)
+        return lambda *into: (log.append((raw.data_ptr() - s.ring.data_ptr(), raw.shape[0])),
+                              run(*into))[1]
+
+    monkeypatch.setattr(streamer_module, "dequantizer", dequantizer)
+    monkeypatch.setattr(streamer_module, "_gemm", lambda *a: (log.append(None), gemm(*a))[1])
     ref = tiny_llama(dtype=torch.bfloat16, seed=8, hidden=128, intermediate=256,
                      max_positions=256)
     want = quantized_reference(ref, kind)
@@ -586,30 +600,46 @@ def test_long_and_short_calls_on_quantized_weights_match_the_reference(kind, sta
                                staging=staging, copy_size=copy_size,
                                filter=lambda n, m: n != "lm_head")
     s = model._codegen_offload.streamer
-    assert staging is None or len(s.plan.spans) > 2 * len(s.plan.calls)  # pieces, wraps
-    seen: list[tuple[str, int, int]] = []  # (way, call, group) of each dequantization
-
-    def counted(groups, way):
-        def spy(c, k, dequantize):
-            return lambda *into: (seen.append((way, c, k)), dequantize(*into))[1]
-        return [[(g[0], spy(c, k, g[1]), *g[2:]) for k, g in enumerate(call)]
-                for c, call in enumerate(groups)]
-
-    s.piece_groups = counted(s.piece_groups, "pieces")
-    s.merged_groups = counted(s.merged_groups, "merged")
+    plan = s.plan
+    assert staging is None or len(plan.spans) > 2 * len(plan.calls)  # pieces, wraps
+    longest = 0
     with torch.no_grad():
         for rows in (MERGED_ROWS + 1, 1, 192, 192):
-            seen.clear()
+            log.clear()
             ids = torch.randint(0, 97, (1, rows))
             torch.testing.assert_close(model(ids).logits, want(ids).logits, rtol=2e-2,
                                        atol=2e-2)
-            way, groups = (("merged", s.merged_groups) if rows <= MERGED_ROWS
-                           else ("pieces", s.piece_groups))
-            assert seen == [(way, c, k) for c, call in enumerate(groups)
-                            for k in range(len(call))]
+            at = 0
+            for call in plan.calls:
+                row_bytes = plan.layouts[call.linear].row_bytes
+                back_to_back = [a.ring_offset + (a.rows[1] - a.rows[0]) * row_bytes
+                                == b.ring_offset for a, b in zip(call.pieces, call.pieces[1:])]
+                k, gemms = 0, 0
+                while k < len(call.pieces):
+                    lo, n = log[at]
+                    assert lo == call.pieces[k].ring_offset, (rows, call, k)
+                    m = k  # the run: pieces k..m
+                    while n > call.pieces[m].rows[1] - call.pieces[k].rows[0]:
+                        assert back_to_back[m], (rows, call, m)
+                        m += 1
+                    assert n == call.pieces[m].rows[1] - call.pieces[k].rows[0]
+                    longest = max(longest, m - k + 1)
+                    at += 1
+                    cut = log[at] is None
+                    while at < len(log) and log[at] is None:
+                        gemms += 1
+                        at += 1
+                    if m + 1 < len(call.pieces) and back_to_back[m]:
+                        assert cut and rows > MERGED_ROWS, (rows, call, m)  # a scratch's end
+                    k = m + 1
+                if rows == 192:
+                    assert gemms == 1
+                elif rows == MERGED_ROWS + 1 and plan.layouts[call.linear].out_features == 256:
+                    assert gemms >= 2
+            assert at == len(log)
     assert codegen.nn.report(model).unplanned_calls == 0
-    if staging is not None:  # the ring cuts weights into pieces, some merged back
-        assert sum(map(len, s.merged_groups)) < sum(map(len, s.piece_groups))
+    if staging is not None:  # the ring cuts weights into pieces, some dequantized as runs
+        assert longest > 1
 
 
 def test_a_dequantizer_launches_the_compiled_kernel_after_its_first_launch():

@@ -7,13 +7,13 @@ queued before it too, so a stream waits at most once a forward for any span, and
 spans once, for its last), queues its pieces (a call of few input rows, such as
 a decode step's, one GEMM per run of pieces back to back in the ring: its GEMMs are too
 short to gain from starting early, and each costs the host; a quantized call of more
-rows, each piece dequantized into its rows of a scratch weight, and one GEMM per
-scratch), records the events that free the spans it read last (a scratch's pieces right
-after their dequantization), then queues every copy whose waits have all been recorded: the copy
-stream runs as far ahead as the ring allows, across Linears and, at the end of a forward,
-into the first spans of the next one. A copy never waits for an event that has not been
-recorded yet (its record is what lets the host queue the copy), so every wait refers to
-the right use of the ring's bytes.
+rows, each run of pieces back to back in the ring dequantized into its rows of a
+scratch weight, and one GEMM per scratch), records the events that free the spans it read
+last (a scratch's pieces right after their dequantization), then queues every copy whose
+waits have all been recorded: the copy stream runs as far ahead as the ring allows,
+across Linears and, at the end of a forward, into the first spans of the next one. A copy
+never waits for an event that has not been recorded yet (its record is what lets the host
+queue the copy), so every wait refers to the right use of the ring's bytes.
 
 What is not the plan's forward runs unplanned, each weight copied whole on the caller's
 stream: a call out of the learnt order (the plan is learnt again from the forward that
@@ -311,6 +311,7 @@ class Streamer:
         self.probe_sets: list[list[Any]] = [[], []]
         self.probe_waits = True  # time each wait for a copy (the report's exposed_copy_ms)
         self.scratch_gemms = True  # quantized calls of many rows: ``_dequantized``
+        self.dequant_runs = True  # ... dequantizing a run of pieces at once (``_scratches``)
         self.forwards = 0
         self.probe_used = 0
         self.now: ForwardCopies | None = None
@@ -344,6 +345,7 @@ class Streamer:
         self.piece_groups = [self._pieces(call) for call in plan.calls]
         self.merged_groups = [self._merged(call, groups)
                               for call, groups in zip(plan.calls, self.piece_groups)]
+        self.scratch_plans: dict[tuple[int, int, bool], Any] = {}  # by ``_scratches``
 
     def _pieces(self, call: Any) -> list[tuple[Any, ...]]:
         """A call's GEMMs, one per piece; each: (its spans, weight rows (a view, or a
@@ -357,9 +359,17 @@ class Streamer:
         a piece frees only its span (and the bias block, which has no ring bytes), and a
         copy waits only for spans whose ring bytes it overwrites, which back-to-back spans
         do not share (``_await_copies`` raises if a plan ever broke this)."""
+        return [pieces[run[0]] if len(run) == 1
+                else self._group(call, [call.pieces[k] for k in run])
+                for run in self._runs(call, range(len(call.pieces)))]
+
+    def _runs(self, call: Any, ks: Sequence[int]) -> list[list[int]]:
+        """The pieces ``ks`` of ``call`` (consecutive indices) cut into runs that lie back
+        to back in the ring."""
         lay = self.plan.layouts[call.linear]
         runs: list[list[int]] = []
-        for k, piece in enumerate(call.pieces):
+        for k in ks:
+            piece = call.pieces[k]
             if runs:
                 last = call.pieces[runs[-1][-1]]
                 if piece.ring_offset == last.ring_offset + (
@@ -367,8 +377,7 @@ class Streamer:
                     runs[-1].append(k)
                     continue
             runs.append([k])
-        return [pieces[run[0]] if len(run) == 1
-                else self._group(call, [call.pieces[k] for k in run]) for run in runs]
+        return runs
 
     def _group(self, call: Any, run: list[Any]) -> tuple[Any, ...]:
         """One GEMM over the rows of ``run`` (pieces back to back in the ring)."""
@@ -599,30 +608,23 @@ class Streamer:
         return y if out is None else out
 
     def _dequantized(self, call: Any, x: torch.Tensor, stream: Any) -> torch.Tensor:
-        """A quantized call of many rows (a prefill): each piece, once its copy is in,
-        dequantized into its rows of a scratch weight, its spans freed right after that (the
-        dequantization is their only reader, so the copies behind them start before the
-        GEMM); then one GEMM per scratch, the GEMM the model makes with its weight on the
-        GPU. A scratch holds whole pieces, at most ``SCRATCH_BYTES`` and the larger of the
-        call's input and output bytes (one piece where that is less), so a weight larger
-        than that runs as several GEMMs, each into its output columns."""
+        """A quantized call of many rows (a prefill): each run of pieces back to back in the
+        ring, once its last copy is in, dequantized into its rows of a scratch weight, its
+        spans freed right after that (the dequantization is their only reader, so the copies
+        behind them start before the GEMM); then one GEMM per scratch, the GEMM the model
+        makes with its weight on the GPU. A scratch holds whole pieces, at most
+        ``SCRATCH_BYTES`` and the larger of the call's input and output bytes (one piece
+        where that is less), so a weight larger than that runs as several GEMMs, each into
+        its output columns."""
         lay = self.plan.layouts[call.linear]
-        row = lay.in_features * lay.dtype.itemsize
         cap = min(SCRATCH_BYTES, x.shape[0] * max(lay.in_features, lay.out_features)
                   * lay.dtype.itemsize)
-        chunks: list[list[tuple[Any, ...]]] = []
-        for group in self.piece_groups[self.cursor]:
-            r0, r1 = group[7], group[8]
-            if chunks and (r1 - chunks[-1][0][7]) * row <= cap:
-                chunks[-1].append(group)
-            else:
-                chunks.append([group])
-        out = None if len(chunks) == 1 else x.new_empty(x.shape[0], lay.out_features)
+        scratches = self._scratches(call, cap)
+        out = None if len(scratches) == 1 else x.new_empty(x.shape[0], lay.out_features)
         biases: list[int] = []  # the bias block, freed after the GEMMs that read it
-        for chunk in chunks:
-            c0, c1 = chunk[0][7], chunk[-1][8]
+        for c0, c1, runs in scratches:
             scratch = torch.empty(c1 - c0, lay.in_features, dtype=lay.dtype, device=x.device)
-            for spans, w, _, lo, hi, _, _, r0, r1, frees in chunk:
+            for spans, w, _, lo, hi, _, _, r0, r1, frees in runs:
                 self._await_copies(stream, spans)
                 self.backend.read(stream, "ring", lo, hi)
                 w(scratch[r0 - c0:r1 - c0])
@@ -640,6 +642,34 @@ class Streamer:
             self._free(stream, biases)
             self._pump()
         return y if out is None else out
+
+    def _scratches(self, call: Any, cap: int) -> list[tuple[int, int, list[tuple[Any, ...]]]]:
+        """The scratch weights of a quantized call (the plan's current one) whose scratch
+        holds at most ``cap`` bytes: each (rows c0:c1, its dequantizations). The pieces go
+        greedily into scratches of whole pieces; a scratch's pieces back to back in the
+        ring dequantize as one run (one wait and one kernel), unless ``dequant_runs`` is
+        off. Made once per call and cap (views cost the host microseconds each)."""
+        key = (self.cursor, cap, self.dequant_runs)
+        if key in self.scratch_plans:
+            return self.scratch_plans[key]
+        lay = self.plan.layouts[call.linear]
+        row = lay.in_features * lay.dtype.itemsize
+        chunks: list[list[int]] = []
+        for k, piece in enumerate(call.pieces):
+            if chunks and (piece.rows[1] - call.pieces[chunks[-1][0]].rows[0]) * row <= cap:
+                chunks[-1].append(k)
+            else:
+                chunks.append([k])
+        pieces = self.piece_groups[self.cursor]
+        scratches = []
+        for chunk in chunks:
+            runs = [pieces[run[0]] if len(run) == 1
+                    else self._group(call, [call.pieces[k] for k in run])
+                    for run in (self._runs(call, chunk) if self.dequant_runs
+                                else [[k] for k in chunk])]
+            scratches.append((runs[0][7], runs[-1][8], runs))
+        self.scratch_plans[key] = scratches
+        return scratches
 
     def _release(self, stream: Any, call: Any, spans: Sequence[int],
                  frees: Sequence[int]) -> None:
