@@ -578,7 +578,7 @@ def test_long_and_short_calls_on_quantized_weights_match_the_reference(kind, sta
     of the ring checked against its copy, and each forward dequantizes every piece of every
     call once, in plan order, in runs: each run pieces of the call back to back in the
     ring, and the longest such run unless the end of a prefill's scratch (a GEMM) cuts it.
-    At 192 rows a scratch holds a whole weight (one GEMM a call); at 65, a weight of 256
+    At 192 or 200 rows a scratch holds a whole weight (one GEMM a call); at 65, a weight of 256
     rows of 128 takes two or more (a scratch holds whole pieces of at most 130 rows)."""
     from codegen.nn import streamer as streamer_module
     from codegen.nn.streamer import MERGED_ROWS
@@ -604,7 +604,7 @@ def test_long_and_short_calls_on_quantized_weights_match_the_reference(kind, sta
     assert staging is None or len(plan.spans) > 2 * len(plan.calls)  # pieces, wraps
     longest = 0
     with torch.no_grad():
-        for rows in (MERGED_ROWS + 1, 1, 192, 192):
+        for rows in (MERGED_ROWS + 1, 1, 192, 192, 200):
             log.clear()
             ids = torch.randint(0, 97, (1, rows))
             torch.testing.assert_close(model(ids).logits, want(ids).logits, rtol=2e-2,
@@ -632,7 +632,7 @@ def test_long_and_short_calls_on_quantized_weights_match_the_reference(kind, sta
                     if m + 1 < len(call.pieces) and back_to_back[m]:
                         assert cut and rows > MERGED_ROWS, (rows, call, m)  # a scratch's end
                     k = m + 1
-                if rows == 192:
+                if rows >= 192:
                     assert gemms == 1
                 elif rows == MERGED_ROWS + 1 and plan.layouts[call.linear].out_features == 256:
                     assert gemms >= 2
@@ -640,6 +640,9 @@ def test_long_and_short_calls_on_quantized_weights_match_the_reference(kind, sta
     assert codegen.nn.report(model).unplanned_calls == 0
     if staging is not None:  # the ring cuts weights into pieces, some dequantized as runs
         assert longest > 1
+    # The runs' views are kept by the way a call is cut, not by row count: 192 and 200
+    # rows cut every call the same way (whole weights).
+    assert len(s.scratch_plans) <= 2 * len(plan.calls)
 
 
 def test_a_dequantizer_launches_the_compiled_kernel_after_its_first_launch():

@@ -345,7 +345,7 @@ class Streamer:
         self.piece_groups = [self._pieces(call) for call in plan.calls]
         self.merged_groups = [self._merged(call, groups)
                               for call, groups in zip(plan.calls, self.piece_groups)]
-        self.scratch_plans: dict[tuple[int, int, bool], Any] = {}  # by ``_scratches``
+        self.scratch_plans: dict[tuple[Any, ...], Any] = {}  # by ``_scratches``
 
     def _pieces(self, call: Any) -> list[tuple[Any, ...]]:
         """A call's GEMMs, one per piece; each: (its spans, weight rows (a view, or a
@@ -648,10 +648,8 @@ class Streamer:
         holds at most ``cap`` bytes: each (rows c0:c1, its dequantizations). The pieces go
         greedily into scratches of whole pieces; a scratch's pieces back to back in the
         ring dequantize as one run (one wait and one kernel), unless ``dequant_runs`` is
-        off. Made once per call and cap (views cost the host microseconds each)."""
-        key = (self.cursor, cap, self.dequant_runs)
-        if key in self.scratch_plans:
-            return self.scratch_plans[key]
+        off. The runs' views are made once per way of cutting the call (they cost the host
+        microseconds each; the ways are bounded by the plan, not by the row counts seen)."""
         lay = self.plan.layouts[call.linear]
         row = lay.in_features * lay.dtype.itemsize
         chunks: list[list[int]] = []
@@ -660,16 +658,18 @@ class Streamer:
                 chunks[-1].append(k)
             else:
                 chunks.append([k])
-        pieces = self.piece_groups[self.cursor]
-        scratches = []
-        for chunk in chunks:
-            runs = [pieces[run[0]] if len(run) == 1
-                    else self._group(call, [call.pieces[k] for k in run])
-                    for run in (self._runs(call, chunk) if self.dequant_runs
-                                else [[k] for k in chunk])]
-            scratches.append((runs[0][7], runs[-1][8], runs))
-        self.scratch_plans[key] = scratches
-        return scratches
+        key = (self.cursor, tuple(chunk[0] for chunk in chunks), self.dequant_runs)
+        if key not in self.scratch_plans:
+            pieces = self.piece_groups[self.cursor]
+            scratches = []
+            for chunk in chunks:
+                runs = [pieces[run[0]] if len(run) == 1
+                        else self._group(call, [call.pieces[k] for k in run])
+                        for run in (self._runs(call, chunk) if self.dequant_runs
+                                    else [[k] for k in chunk])]
+                scratches.append((runs[0][7], runs[-1][8], runs))
+            self.scratch_plans[key] = scratches
+        return self.scratch_plans[key]
 
     def _release(self, stream: Any, call: Any, spans: Sequence[int],
                  frees: Sequence[int]) -> None:
