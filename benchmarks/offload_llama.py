@@ -31,7 +31,7 @@ changes a model in place):
 - copy: the offloaded bytes copied alone from pinned memory, one copy per weight into a
   preallocated GPU buffer, back to back on one stream (the floor);
 - codegen_fp8, codegen_int4: codegen with ``quantize="fp8"`` / ``"int4"`` (each weight
-  streamed quantized and dequantized on the GPU, piece by piece);
+  streamed quantized and dequantized on the GPU as its pieces arrive);
 - copy_fp8, copy_int4: the bytes that variant streams (values and scales), copied alone
   from its arena, one copy per weight, back to back (the floor of the quantized bytes).
 

@@ -162,7 +162,7 @@ def test_a_quantized_call_of_many_rows_runs_a_gemm_per_scratch_weight(kind, bias
     scratch weight and runs one GEMM per scratch: a scratch is one piece or at most
     SCRATCH_BYTES and the call's larger activation, and takes every next piece that fits.
     Weights are larger than the ring (a piece's copy waits for the dequantization of
-    an earlier piece of the same call, before the call's GEMM). 512 rows of input
+    an earlier run of the same call, before the call's GEMM). 512 rows of input
     (activations larger than any weight) with the default SCRATCH_BYTES: one GEMM a call;
     65, or a small SCRATCH_BYTES: several. Values equal the torch reference, biases
     included."""
@@ -569,9 +569,12 @@ def test_the_gpu_dequantization_kernels_equal_torchs_ops_bit_for_bit_interpreted
 
 
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("staging, copy_size", [("24KiB", "4KiB"), (None, None)])
+@pytest.mark.parametrize("staging, copy_size, runs", [("24KiB", "4KiB", True),
+                                                      ("24KiB", "4KiB", False),
+                                                      (None, None, True)])
 def test_long_and_short_calls_on_quantized_weights_match_the_reference(kind, staging,
-                                                                      copy_size, monkeypatch):
+                                                                      copy_size, runs,
+                                                                      monkeypatch):
     """Calls of more than MERGED_ROWS rows (runs of pieces dequantized into a scratch
     weight, a GEMM per scratch) and of one row (a GEMM per merged run), mixed across
     forwards under rings that wrap: the logits are the dequantized reference's, every read
@@ -579,7 +582,9 @@ def test_long_and_short_calls_on_quantized_weights_match_the_reference(kind, sta
     call once, in plan order, in runs: each run pieces of the call back to back in the
     ring, and the longest such run unless the end of a prefill's scratch (a GEMM) cuts it.
     At 192 or 200 rows a scratch holds a whole weight (one GEMM a call); at 65, a weight of 256
-    rows of 128 takes two or more (a scratch holds whole pieces of at most 130 rows)."""
+    rows of 128 takes two or more (a scratch holds whole pieces of at most 130 rows). With
+    ``dequant_runs`` off (the benchmarks' comparison) a prefill dequantizes piece by
+    piece."""
     from codegen.nn import streamer as streamer_module
     from codegen.nn.streamer import MERGED_ROWS
 
@@ -600,6 +605,7 @@ def test_long_and_short_calls_on_quantized_weights_match_the_reference(kind, sta
                                staging=staging, copy_size=copy_size,
                                filter=lambda n, m: n != "lm_head")
     s = model._codegen_offload.streamer
+    s.dequant_runs = runs
     plan = s.plan
     assert staging is None or len(plan.spans) > 2 * len(plan.calls)  # pieces, wraps
     longest = 0
@@ -629,7 +635,9 @@ def test_long_and_short_calls_on_quantized_weights_match_the_reference(kind, sta
                     while at < len(log) and log[at] is None:
                         gemms += 1
                         at += 1
-                    if m + 1 < len(call.pieces) and back_to_back[m]:
+                    if rows > MERGED_ROWS and not runs:
+                        assert m == k, (rows, call, k)
+                    elif m + 1 < len(call.pieces) and back_to_back[m]:
                         assert cut and rows > MERGED_ROWS, (rows, call, m)  # a scratch's end
                     k = m + 1
                 if rows >= 192:
@@ -639,10 +647,47 @@ def test_long_and_short_calls_on_quantized_weights_match_the_reference(kind, sta
             assert at == len(log)
     assert codegen.nn.report(model).unplanned_calls == 0
     if staging is not None:  # the ring cuts weights into pieces, some dequantized as runs
-        assert longest > 1
+        assert longest > 1  # (by a decode step's merged runs, at least)
     # The runs' views are kept by the way a call is cut, not by row count: 192 and 200
     # rows cut every call the same way (whole weights).
     assert len(s.scratch_plans) <= 2 * len(plan.calls)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_quantized_prefills_whose_call_order_changes_match_the_reference(kind):
+    """Prefills of more than MERGED_ROWS rows through a ring that wraps, calling the
+    Linears in another order every few forwards: the plan is learnt again, and the
+    scratch runs of the old plan are not reused (its calls' runs lie elsewhere in the
+    ring; the order check raises where a run reads bytes its copy did not order)."""
+
+    class Chain(nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.ls = nn.ModuleList(nn.Linear(256, 256) for _ in range(4))
+            self.order = [0, 1, 2, 3]
+
+        def forward(self, x):
+            for i in self.order:
+                x = torch.relu(self.ls[i](x))
+            return x
+
+    ref = Chain()
+    weights = [reference_weight(m.weight, kind) for m in ref.ls]
+    model = codegen.nn.offload(copy.deepcopy(ref), device="cpu", quantize=kind,
+                               staging="40KiB", copy_size="8KiB")
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for order in ([0, 1, 2, 3], [0, 1, 2, 3], [3, 0, 2], [3, 0, 2], [3, 0, 2], [1, 3],
+                      [1, 3], [1, 3]):
+            model.order = order
+            x = want = torch.randn(100, 256)
+            for i in order:
+                want = torch.relu(F.linear(want, weights[i], ref.ls[i].bias))
+            torch.testing.assert_close(model(x), want, rtol=1e-4, atol=1e-4)
+    s = model._codegen_offload.streamer
+    assert [c.linear for c in s.plan.calls] == [1, 3]
+    assert s.scratch_plans and len(s.plan.spans) > len(s.plan.calls)  # pieces in a ring
 
 
 def test_a_dequantizer_launches_the_compiled_kernel_after_its_first_launch():

@@ -306,8 +306,8 @@ class _State:
 
     def _run_quantized(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
                        name: str, needs_grad: bool) -> torch.Tensor:
-        """A quantized Linear's call: by the copy plan (each piece dequantized on the
-        device), or its arena rows copied whole and dequantized. Its weight has no
+        """A quantized Linear's call: by the copy plan (its pieces dequantized on the
+        device as they arrive), or its arena rows copied whole and dequantized. Its weight has no
         gradient; a backward through the call is refused by name (``_NoBackward``)."""
         assert self.streamer is not None  # quantize needs prefetch
         index = self.index_of[id(w)]
@@ -694,7 +694,8 @@ def offload(model: nn.Module, slices: int = 8, *, filter: Filter | None = None, 
     quantize = check_format(quantize)
     if quantize is not None and not prefetch:
         raise ValueError("codegen.nn.offload: quantize needs prefetch=True (the copy plan "
-                         "dequantizes each piece; prefetch=False runs compiled programs)")
+                         "dequantizes the pieces it streams; prefetch=False runs compiled "
+                         "programs)")
     if budget is not None and not prefetch:
         raise ValueError("codegen.nn.offload: gpu_budget needs prefetch=True (the budget "
                          "bounds the copy plan's staging, which prefetch=False does not use)")

@@ -9,7 +9,7 @@ a decode step's, one GEMM per run of pieces back to back in the ring: its GEMMs 
 short to gain from starting early, and each costs the host; a quantized call of more
 rows, each run of pieces back to back in the ring dequantized into its rows of a
 scratch weight, and one GEMM per scratch), records the events that free the spans it read
-last (a scratch's pieces right after their dequantization), then queues every copy whose
+last (a scratch's runs right after their dequantization), then queues every copy whose
 waits have all been recorded: the copy stream runs as far ahead as the ring allows,
 across Linears and, at the end of a forward, into the first spans of the next one. A copy
 never waits for an event that has not been recorded yet (its record is what lets the host
@@ -334,7 +334,8 @@ class Streamer:
         self.observed: list[int] = []
         # Views made once (each costs microseconds of host time a call): every span's
         # destination and source, every GEMM's weight (or its dequantizer) and bias in the
-        # staging, by piece and by merged run of pieces (``_merged``).
+        # staging, by piece and by merged run of pieces (``_merged``); a prefill's scratch
+        # runs as its calls first need them (``_scratches``).
         self.span_views = []
         for span in plan.spans:
             dst, lo = ((self.biases, span.arena_begin) if span.is_bias_block
@@ -648,8 +649,11 @@ class Streamer:
         holds at most ``cap`` bytes: each (rows c0:c1, its dequantizations). The pieces go
         greedily into scratches of whole pieces; a scratch's pieces back to back in the
         ring dequantize as one run (one wait and one kernel), unless ``dequant_runs`` is
-        off. The runs' views are made once per way of cutting the call (they cost the host
-        microseconds each; the ways are bounded by the plan, not by the row counts seen)."""
+        off; safe for the reason ``_merged`` gives. A run's spans are freed after its
+        dequantization, not the scratch's: a weight larger than the ring needs its first
+        runs freed before the copies of its last. The runs' views are made once per way of
+        cutting the call (they cost the host microseconds each; the ways are bounded by the
+        plan, not by the row counts seen)."""
         lay = self.plan.layouts[call.linear]
         row = lay.in_features * lay.dtype.itemsize
         chunks: list[list[int]] = []
