@@ -575,16 +575,16 @@ def test_the_gpu_dequantization_kernels_equal_torchs_ops_bit_for_bit_interpreted
 def test_long_and_short_calls_on_quantized_weights_match_the_reference(kind, staging,
                                                                       copy_size, runs,
                                                                       monkeypatch):
-    """Calls of more than MERGED_ROWS rows (runs of pieces dequantized into a scratch
-    weight, a GEMM per scratch) and of one row (a GEMM per merged run), mixed across
-    forwards under rings that wrap: the logits are the dequantized reference's, every read
-    of the ring checked against its copy, and each forward dequantizes every piece of every
-    call once, in plan order, in runs: each run pieces of the call back to back in the
-    ring, and the longest such run unless the end of a prefill's scratch (a GEMM) cuts it.
-    At 192 or 200 rows a scratch holds a whole weight (one GEMM a call); at 65, a weight of 256
-    rows of 128 takes two or more (a scratch holds whole pieces of at most 130 rows). With
-    ``dequant_runs`` off (the benchmarks' comparison) a prefill dequantizes piece by
-    piece."""
+    """Calls of more than MERGED_ROWS rows (pieces, or with ``dequant_runs`` runs of
+    pieces, dequantized into a scratch weight, a GEMM per scratch) and of one row (a GEMM
+    per merged run), mixed across forwards under rings that wrap: the logits are the
+    dequantized reference's, every read of the ring checked against its copy, and each
+    forward dequantizes every piece of every call once, in plan order, in runs: each run
+    pieces of the call back to back in the ring, and the longest such run unless the end
+    of a prefill's scratch (a GEMM) cuts it. At 192 or 200 rows a scratch holds a whole
+    weight (one GEMM a call); at 65, a weight of 256 rows of 128 takes two or more (a
+    scratch holds whole pieces of at most 130 rows). With ``dequant_runs`` off (the
+    default) a prefill dequantizes piece by piece."""
     from codegen.nn import streamer as streamer_module
     from codegen.nn.streamer import MERGED_ROWS
 
@@ -654,11 +654,13 @@ def test_long_and_short_calls_on_quantized_weights_match_the_reference(kind, sta
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_quantized_prefills_whose_call_order_changes_match_the_reference(kind):
+@pytest.mark.parametrize("runs", [False, True])
+def test_quantized_prefills_whose_call_order_changes_match_the_reference(kind, runs):
     """Prefills of more than MERGED_ROWS rows through a ring that wraps, calling the
     Linears in another order every few forwards: the plan is learnt again, and the
-    scratch runs of the old plan are not reused (its calls' runs lie elsewhere in the
-    ring; the order check raises where a run reads bytes its copy did not order)."""
+    scratches of the old plan are not reused (its calls' pieces lie elsewhere in the
+    ring; the order check raises where a dequantization reads bytes its copy did not
+    order). Pieces dequantized one by one, and by runs (``dequant_runs``)."""
 
     class Chain(nn.Module):
         def __init__(self):
@@ -676,6 +678,7 @@ def test_quantized_prefills_whose_call_order_changes_match_the_reference(kind):
     weights = [reference_weight(m.weight, kind) for m in ref.ls]
     model = codegen.nn.offload(copy.deepcopy(ref), device="cpu", quantize=kind,
                                staging="40KiB", copy_size="8KiB")
+    model._codegen_offload.streamer.dequant_runs = runs
     torch.manual_seed(1)
     with torch.no_grad():
         for order in ([0, 1, 2, 3], [0, 1, 2, 3], [3, 0, 2], [3, 0, 2], [3, 0, 2], [1, 3],
