@@ -24,8 +24,7 @@ against ``as_is``'s: the share that is finite and the largest difference): ``as_
 ``no_wait_probes``, without the timing events around each wait for a copy (the report's
 ``exposed_copy_ms``); ``wait_per_piece``, the caller's stream waiting for its span at
 every GEMM piece (a quantized prefill's every dequantization: with ``+dequant_runs``,
-every run), as the streamer did before it waited once for each
-span a forward;
+every run), as the streamer did before it waited once for each span a forward;
 ``merged``, every call's pieces merged into a GEMM per run back to back in the ring, as
 a call of few rows runs; ``gemm_per_piece``, a quantized call of many rows dequantizing
 each piece into rows of its own and running a GEMM on them (instead of one GEMM per
