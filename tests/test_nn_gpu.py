@@ -253,12 +253,11 @@ def test_quantized_linears_match_the_dequantized_reference_on_the_gpu(kind):
 
 @pytest.mark.parametrize("kind", ["fp8", "int4"])
 def test_long_and_short_quantized_calls_match_the_dequantized_reference_on_the_gpu(kind):
-    """Calls of more than MERGED_ROWS rows (each run of pieces back to back in the ring
-    dequantized into a scratch weight, one GEMM per scratch; at 90 rows several, as the
-    activations bound the scratch) and of one row (per merged run) under a ring that
-    wraps, forwards back to back with no host synchronization between them: each
-    forward's logits are the dequantized reference's (fp32 without TF32: exact arithmetic
-    up to summation order)."""
+    """Calls of more than MERGED_ROWS rows (each piece dequantized into a scratch weight,
+    one GEMM per scratch; at 90 rows several, as the activations bound the scratch) and
+    of one row (per merged run) under a ring that wraps, forwards back to back with no
+    host synchronization between them: each forward's logits are the dequantized
+    reference's (fp32 without TF32: exact arithmetic up to summation order)."""
     from codegen.nn.quantize import dequantize_reference
 
     torch.backends.cuda.matmul.allow_tf32 = False

@@ -162,7 +162,7 @@ def test_a_quantized_call_of_many_rows_runs_a_gemm_per_scratch_weight(kind, bias
     scratch weight and runs one GEMM per scratch: a scratch is one piece or at most
     SCRATCH_BYTES and the call's larger activation, and takes every next piece that fits.
     Weights are larger than the ring (a piece's copy waits for the dequantization of
-    an earlier run of the same call, before the call's GEMM). 512 rows of input
+    an earlier piece of the same call, before the call's GEMM). 512 rows of input
     (activations larger than any weight) with the default SCRATCH_BYTES: one GEMM a call;
     65, or a small SCRATCH_BYTES: several. Values equal the torch reference, biases
     included."""

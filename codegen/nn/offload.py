@@ -307,8 +307,8 @@ class _State:
     def _run_quantized(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
                        name: str, needs_grad: bool) -> torch.Tensor:
         """A quantized Linear's call: by the copy plan (its pieces dequantized on the
-        device as they arrive), or its arena rows copied whole and dequantized. Its weight has no
-        gradient; a backward through the call is refused by name (``_NoBackward``)."""
+        device as they arrive), or its arena rows copied whole and dequantized. Its weight
+        has no gradient; a backward through the call is refused by name (``_NoBackward``)."""
         assert self.streamer is not None  # quantize needs prefetch
         index = self.index_of[id(w)]
         with torch.no_grad():

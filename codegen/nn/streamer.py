@@ -360,9 +360,14 @@ class Streamer:
         a piece frees only its span (and the bias block, which has no ring bytes), and a
         copy waits only for spans whose ring bytes it overwrites, which back-to-back spans
         do not share (``_await_copies`` raises if a plan ever broke this)."""
+        return self._run_groups(call, pieces, self._runs(call, range(len(call.pieces))))
+
+    def _run_groups(self, call: Any, pieces: list[tuple[Any, ...]],
+                    runs: list[list[int]]) -> list[tuple[Any, ...]]:
+        """One group (``_group``) per run of ``call``'s pieces; a run of one keeps its
+        piece's group from ``pieces``."""
         return [pieces[run[0]] if len(run) == 1
-                else self._group(call, [call.pieces[k] for k in run])
-                for run in self._runs(call, range(len(call.pieces)))]
+                else self._group(call, [call.pieces[k] for k in run]) for run in runs]
 
     def _runs(self, call: Any, ks: Sequence[int]) -> list[list[int]]:
         """The pieces ``ks`` of ``call`` (consecutive indices) cut into runs that lie back
@@ -664,13 +669,11 @@ class Streamer:
                 chunks.append([k])
         key = (self.cursor, tuple(chunk[0] for chunk in chunks), self.dequant_runs)
         if key not in self.scratch_plans:
-            pieces = self.piece_groups[self.cursor]
             scratches = []
             for chunk in chunks:
-                runs = [pieces[run[0]] if len(run) == 1
-                        else self._group(call, [call.pieces[k] for k in run])
-                        for run in (self._runs(call, chunk) if self.dequant_runs
-                                    else [[k] for k in chunk])]
+                runs = self._run_groups(call, self.piece_groups[self.cursor],
+                                        self._runs(call, chunk) if self.dequant_runs
+                                        else [[k] for k in chunk])
                 scratches.append((runs[0][7], runs[-1][8], runs))
             self.scratch_plans[key] = scratches
         return self.scratch_plans[key]
