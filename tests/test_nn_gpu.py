@@ -252,9 +252,12 @@ def test_quantized_linears_match_the_dequantized_reference_on_the_gpu(kind):
 
 
 @pytest.mark.parametrize("kind", ["fp8", "int4"])
-def test_long_and_short_quantized_calls_match_the_dequantized_reference_on_the_gpu(kind):
-    """Calls of more than MERGED_ROWS rows (each piece dequantized into a scratch weight,
-    one GEMM per scratch; at 90 rows several, as the activations bound the scratch) and
+@pytest.mark.parametrize("runs", [True, False])
+def test_long_and_short_quantized_calls_match_the_dequantized_reference_on_the_gpu(kind,
+                                                                                   runs):
+    """Calls of more than MERGED_ROWS rows (each run of pieces back to back in the ring,
+    or with ``dequant_runs`` off each piece, dequantized into a scratch weight, one GEMM
+    per scratch; at 90 rows several, as the activations bound the scratch) and
     of one row (per merged run) under a ring that wraps, forwards back to back with no
     host synchronization between them: each forward's logits are the dequantized
     reference's (fp32 without TF32: exact arithmetic up to summation order)."""
@@ -270,6 +273,7 @@ def test_long_and_short_quantized_calls_match_the_dequantized_reference_on_the_g
                 *codegen.nn.quantize_weight(m.weight.data.cuda(), kind), torch.float32).cpu()
     model = codegen.nn.offload(copy.deepcopy(ref), quantize=kind, staging="48KiB",
                                copy_size="8KiB", filter=lambda n, m: n != "lm_head")
+    model._codegen_offload.streamer.dequant_runs = runs
     want = want.cuda()
     ids = [torch.randint(0, 101, (1, rows), device="cuda") for rows in (150, 1, 200, 200, 1, 90)]
     with torch.no_grad():

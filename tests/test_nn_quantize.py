@@ -575,7 +575,7 @@ def test_the_gpu_dequantization_kernels_equal_torchs_ops_bit_for_bit_interpreted
 def test_long_and_short_calls_on_quantized_weights_match_the_reference(kind, staging,
                                                                       copy_size, runs,
                                                                       monkeypatch):
-    """Calls of more than MERGED_ROWS rows (pieces, or with ``dequant_runs`` runs of
+    """Calls of more than MERGED_ROWS rows (runs of pieces, or with ``dequant_runs`` off
     pieces, dequantized into a scratch weight, a GEMM per scratch) and of one row (a GEMM
     per merged run), mixed across forwards under rings that wrap: the logits are the
     dequantized reference's, every read of the ring checked against its copy, and each
@@ -583,8 +583,8 @@ def test_long_and_short_calls_on_quantized_weights_match_the_reference(kind, sta
     pieces of the call back to back in the ring, and the longest such run unless the end
     of a prefill's scratch (a GEMM) cuts it. At 192 or 200 rows a scratch holds a whole
     weight (one GEMM a call); at 65, a weight of 256 rows of 128 takes two or more (a
-    scratch holds whole pieces of at most 130 rows). With ``dequant_runs`` off (the
-    default) a prefill dequantizes piece by piece."""
+    scratch holds whole pieces of at most 130 rows). With ``dequant_runs`` off a
+    prefill dequantizes piece by piece (its default is by runs)."""
     from codegen.nn import streamer as streamer_module
     from codegen.nn.streamer import MERGED_ROWS
 

@@ -23,14 +23,15 @@ in a forward that synchronize with the GPU (torch's sync debug mode), by source 
 against ``as_is``'s: the share that is finite and the largest difference): ``as_is``;
 ``no_wait_probes``, without the timing events around each wait for a copy (the report's
 ``exposed_copy_ms``); ``wait_per_piece``, the caller's stream waiting for its span at
-every GEMM piece (a quantized prefill's every dequantization: with ``+dequant_runs``,
-every run), as the streamer did before it waited once for each span a forward;
+every GEMM piece (a quantized prefill's every dequantization: each run, or with
+``+dequant_pieces`` each piece), as the streamer did before it waited once for each span
+a forward;
 ``merged``, every call's pieces merged into a GEMM per run back to back in the ring, as
 a call of few rows runs; ``gemm_per_piece``, a quantized call of many rows dequantizing
 each piece into rows of its own and running a GEMM on them (instead of one GEMM per
-scratch weight); ``dequant_runs``, each run of a scratch's pieces back to back in the
-ring dequantized at once, after the run's last copy (instead of each piece after its own
-copy: one wait and one kernel a run);
+scratch weight); ``dequant_pieces``, each piece of a scratch dequantized after its own
+copy (instead of each run of pieces back to back in the ring at once, after the run's
+last copy: one wait and one kernel a piece);
 for timing only, what the ordering costs: ``unordered``, no waits between the streams at
 all, ``unordered_reads``, no waits of the GEMMs for their copies, ``unordered_copies``, no
 waits of the copies for the reads of the bytes they overwrite (the logits are wrong);
@@ -94,7 +95,7 @@ def offloaded(config: str, layers: int) -> torch.nn.Module:
 
 
 CONDITIONS = ("as_is", "no_wait_probes", "wait_per_piece", "whole_weights", "merged",
-              "gemm_per_piece", "dequant_runs", "unordered", "unordered_copies",
+              "gemm_per_piece", "dequant_pieces", "unordered", "unordered_copies",
               "unordered_reads")
 
 
@@ -116,7 +117,7 @@ def condition(model: torch.nn.Module, name: str) -> None:
         streamer._set_plan(plan)
     streamer.probe_waits = "no_wait_probes" not in names
     streamer.scratch_gemms = "gemm_per_piece" not in names
-    streamer.dequant_runs = "dequant_runs" in names
+    streamer.dequant_runs = "dequant_pieces" not in names
     streamer.__dict__.pop("_await_copies", None)
     streamer.backend.__dict__.pop("wait", None)
     streamer_module.MERGED_ROWS = 1 << 30 if "merged" in names else MERGED_ROWS

@@ -7,11 +7,12 @@ queued before it too, so a stream waits at most once a forward for any span, and
 spans once, for its last), queues its pieces (a call of few input rows, such as
 a decode step's, one GEMM per run of pieces back to back in the ring: its GEMMs are too
 short to gain from starting early, and each costs the host; a quantized call of more
-rows, each piece dequantized into its rows of a scratch weight, and one GEMM per
-scratch), records the events that free the spans it read last (a scratch's pieces right
-after their dequantization), then queues every copy whose waits have all been recorded:
-the copy stream runs as far ahead as the ring allows, across Linears and, at the end of a
-forward, into the first spans of the next one. A copy never waits for an event that has
+rows, each run of pieces back to back in the ring dequantized into its rows of a
+scratch weight, and one GEMM per scratch), records the events that free the spans it
+read last (a scratch's runs right after their dequantization), then queues every copy
+whose waits have all been recorded: the copy stream runs as far ahead as the ring
+allows, across Linears and, at the end of a forward, into the first spans of the next
+one. A copy never waits for an event that has
 not been recorded yet (its record is what lets the host queue the copy), so every wait
 refers to the right use of the ring's bytes.
 
@@ -311,7 +312,7 @@ class Streamer:
         self.probe_sets: list[list[Any]] = [[], []]
         self.probe_waits = True  # time each wait for a copy (the report's exposed_copy_ms)
         self.scratch_gemms = True  # quantized calls of many rows: ``_dequantized``
-        self.dequant_runs = False  # ... dequantizing runs of pieces at once (``_scratches``)
+        self.dequant_runs = True  # ... by runs of pieces, not piece by piece (``_scratches``)
         self.forwards = 0
         self.probe_used = 0
         self.now: ForwardCopies | None = None
@@ -614,9 +615,9 @@ class Streamer:
         return y if out is None else out
 
     def _dequantized(self, call: Any, x: torch.Tensor, stream: Any) -> torch.Tensor:
-        """A quantized call of many rows (a prefill): each piece (or, with
-        ``dequant_runs``, each run of pieces back to back in the ring), once its copy is
-        in, dequantized into its rows of a scratch weight, its spans freed right after that
+        """A quantized call of many rows (a prefill): each run of pieces back to back in
+        the ring (with ``dequant_runs`` off, each piece), once its copies are in,
+        dequantized into its rows of a scratch weight, its spans freed right after that
         (the dequantization is their only reader, so the copies behind them start before
         the GEMM); then one GEMM per scratch, the GEMM the model makes with its weight on
         the GPU. A scratch holds whole pieces, at most ``SCRATCH_BYTES`` and the larger of
@@ -652,13 +653,13 @@ class Streamer:
     def _scratches(self, call: Any, cap: int) -> list[tuple[int, int, list[tuple[Any, ...]]]]:
         """The scratch weights of a quantized call (the plan's current one) whose scratch
         holds at most ``cap`` bytes: each (rows c0:c1, its dequantizations). The pieces go
-        greedily into scratches of whole pieces; with ``dequant_runs``, a scratch's pieces
-        back to back in the ring dequantize as one run (one wait and one kernel; safe for
-        the reason ``_merged`` gives), else one by one. A run's spans are freed after its
-        dequantization, not the scratch's: a weight larger than the ring needs its first
-        runs freed before the copies of its last. The runs' views are made once per way of
-        cutting the call (they cost the host microseconds each; the ways are bounded by the
-        plan, not by the row counts seen)."""
+        greedily into scratches of whole pieces; with ``dequant_runs`` (the default), a
+        scratch's pieces back to back in the ring dequantize as one run (one wait and one
+        kernel; safe for the reason ``_merged`` gives), else one by one. A run's spans are
+        freed after its dequantization, not the scratch's: a weight larger than the ring
+        needs its first runs freed before the copies of its last. The runs' views are made
+        once per way of cutting the call (they cost the host microseconds each; the ways
+        are bounded by the plan, not by the row counts seen)."""
         lay = self.plan.layouts[call.linear]
         row = lay.in_features * lay.dtype.itemsize
         chunks: list[list[int]] = []
