@@ -25,7 +25,7 @@ REPO = Path(__file__).resolve().parent.parent
 PRODUCT = ("bench_matmul", "bench_layers", "bench_copy", "mlp_offload", "offload_llama",
            "offload_budget", "backward", "host_cost", "bench_overlap", "bench_build")
 PROBES = ("copy2d_probe", "copy_contention", "copy_trace", "small_gemm_probe", "backward_kernels",
-          "backward_streams", "host_reads", "copy_cost", "budget_trace")
+          "backward_streams", "host_reads", "copy_cost", "budget_trace", "budget_model")
 
 
 def run_module(module: str, *args: str) -> subprocess.CompletedProcess:
@@ -818,3 +818,40 @@ def test_copy_cost_fit_recovers_a_fixed_cost_and_a_bandwidth():
     points = [(n, total, n * 0.0042 + total / 54.3e6) for n in (4, 16, 64, 256, 1024, 8192)]
     c, bw = fit(points)
     assert abs(c - 0.0042) < 1e-9 and abs(bw - 54.3e6) < 1.0
+
+
+# ---------------------------------------------------------------------------- budget_model
+
+
+@pytest.mark.parametrize("percent", [0, 50])
+def test_budget_model_with_instant_copies_is_the_gpu_resident_forward(percent):
+    """Copies that take no time and waits and pieces that cost nothing leave the modelled
+    prefill the GPU-resident forward's kernels, whatever the placement."""
+    from benchmarks.probes import budget_model as bmod
+
+    lins = bmod.linears(layers=4)
+    plan, kept = bmod.offload_plan(lins, percent, None, None)
+    assert len(plan.calls) == len(lins) - len(kept) and (percent == 0) == (not kept)
+    rates = bmod.Rates(copy_gbps=1e12, gemm_ms=10.0, attention_ms=0.5, other_ms=0.3,
+                       tail_ms=2.0, wait_us=0.0, piece_us=0.0)
+    # the GEMMs of every Linear, 4 layers of attention and other kernels, the tail
+    assert bmod.simulate(lins, plan, kept, rates) == pytest.approx(10.0 + 4 * 0.8 + 2.0)
+
+
+@pytest.mark.parametrize("percent", [0, 50])
+def test_budget_model_with_instant_compute_is_the_copy_floor_and_waits_add(percent):
+    """Kernels that take no time leave the modelled prefill its copies back to back (the
+    streamed bytes at the copy rate); each wait's cost adds where the copies are ahead."""
+    from benchmarks.probes import budget_model as bmod
+
+    lins = bmod.linears(layers=4)
+    plan, kept = bmod.offload_plan(lins, percent, None, None)
+    free = bmod.Rates(copy_gbps=50.0, gemm_ms=0.0, attention_ms=0.0, other_ms=0.0,
+                      tail_ms=0.0, wait_us=0.0, piece_us=0.0)
+    floor = plan.streamed_bytes / 50e6
+    assert bmod.simulate(lins, plan, kept, free) == pytest.approx(floor)
+    gpu = bmod.Rates(copy_gbps=1e12, gemm_ms=10.0, attention_ms=0.5, other_ms=0.3,
+                     tail_ms=2.0, wait_us=20.0, piece_us=0.0)
+    waits = len({p.span for c in plan.calls for p in c.pieces})
+    assert bmod.simulate(lins, plan, kept, gpu) == pytest.approx(
+        10.0 + 4 * 0.8 + 2.0 + waits * 0.020)
