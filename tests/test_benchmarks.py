@@ -855,3 +855,41 @@ def test_budget_model_with_instant_compute_is_the_copy_floor_and_waits_add(perce
     waits = len({p.span for c in plan.calls for p in c.pieces})
     assert bmod.simulate(lins, plan, kept, gpu) == pytest.approx(
         10.0 + 4 * 0.8 + 2.0 + waits * 0.020)
+
+
+def test_budget_model_copies_wait_for_the_reads_of_the_ring_bytes_they_overwrite():
+    """Under a ring of three copies and compute slower than the copies, every GEMM piece
+    runs after its span's copy, a span is freed when its last piece has run, every copy
+    starts after the last read of each earlier copy whose ring bytes it overwrites (found
+    from the spans' places in the ring, not from the plan's waits), some copies wait for
+    such reads, and the measured forward is the steady state (the first one differs)."""
+    from benchmarks.probes import budget_model as bmod
+
+    lins = bmod.linears(layers=4)
+    plan, kept = bmod.offload_plan(lins, 0, 100 * 2**20, 32 * 2**20)
+    assert not kept and plan.ring_bytes == 100 * 2**20
+    slow = bmod.Rates(copy_gbps=50.0, gemm_ms=60.0, attention_ms=0.5, other_ms=0.3,
+                      tail_ms=2.0)
+    record: dict = {}
+    steady = bmod.simulate(lins, plan, kept, slow, laps=3, record=record)
+    copies, freed, reads = record["copies"], record["freed"], record["reads"]
+    for key, pieces in reads.items():
+        assert min(start for start, _ in pieces) >= copies[key][1] - 1e-9, key
+        assert freed[key] == pytest.approx(max(end for _, end in pieces)), key
+    occupants: list[tuple[int, int, tuple[int, int]]] = []  # (lo, hi, (span, lap))
+    bound, previous_end = 0, 0.0
+    for lap in range(3):
+        for span in plan.spans:
+            start, end = copies[(span.index, lap)]
+            lo, hi = span.ring_begin, span.ring_begin + span.nbytes
+            for a, b, key in occupants:
+                if a < hi and lo < b:
+                    assert start >= freed[key] - 1e-9, (span.index, lap, key)
+                    bound += start > previous_end + 1e-9 and start == freed[key]
+            occupants = [*((a, min(b, lo), k) for a, b, k in occupants if a < lo),
+                         *((max(a, hi), b, k) for a, b, k in occupants if b > hi),
+                         (lo, hi, (span.index, lap))]
+            previous_end = end
+    assert bound > 0
+    assert bmod.simulate(lins, plan, kept, slow, laps=5) == pytest.approx(steady)
+    assert bmod.simulate(lins, plan, kept, slow, laps=1) != pytest.approx(steady)

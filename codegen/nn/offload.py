@@ -672,7 +672,7 @@ def offload(model: nn.Module, slices: int = 8, *, filter: Filter | None = None, 
     ``staging``, ``copy_size`` and ``gpu_budget`` take bytes or strings such as
     ``"256MiB"``. ``quantize`` (``"fp8"`` or ``"int4"``, ``codegen/nn/quantize.py``)
     stores each streamed weight quantized in the arena, quantized on the GPU one weight at
-    a time, and dequantizes each GEMM piece on the device after its copy; the weight
+    a time, and dequantizes each run of pieces on the device after its copies; the weight
     Parameter then holds the quantized values (and ``weight_scale`` the scales), and a
     backward through it is refused. ``verbose``
     prints :func:`report`'s line after each forward; :func:`report` returns it."""
