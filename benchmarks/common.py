@@ -510,9 +510,15 @@ def budget_and_staging(model: Any, percent: int,
 
 def budget_bytes(model: Any, percent: int) -> int:
     """``percent`` of the offloadable bytes; for 0, the default staging alone."""
-    from codegen.nn.offload import _resident, default_staging
+    from codegen.nn.offload import _resident
 
-    linears = [_resident(n, m) for n, m in offloadable(model)]
+    return budget_of([_resident(n, m) for n, m in offloadable(model)], percent)
+
+
+def budget_of(linears: list[Any], percent: int) -> int:
+    """``budget_bytes`` of the offloadable Linears ``linears`` (``plan.Resident``)."""
+    from codegen.nn.offload import default_staging
+
     total = sum(lay.nbytes for lay in linears)
     return max(total * percent // 100, default_staging(linears))
 

@@ -43,7 +43,8 @@ from typing import Any
 
 import torch
 
-from codegen.nn.offload import default_staging
+from benchmarks.common import budget_of
+from codegen.nn.offload import default_copy_bytes, default_staging
 from codegen.nn.plan import ALIGN, Layout, Resident, StreamPlan, place, plan_stream, round_up
 
 MIB = 2**20
@@ -75,22 +76,18 @@ def offload_plan(lins: list[Resident], percent: int, staging: int | None,
     """The copy plan ``codegen.nn.offload`` makes for ``lins`` under ``percent`` of their
     bytes as ``gpu_budget`` (0: the default staging alone), as ``benchmarks.common``
     sizes the budget rows."""
-    total = sum(lay.nbytes for lay in lins)
-    least = default_staging(lins)
-    budget = max(total * percent // 100, least)
     if staging and not percent:  # a staging of its own and no budget: everything streamed
         kept, ring = frozenset(), staging
     else:
-        kept, ring = place(lins, budget, staging, least)
+        kept, ring = place(lins, budget_of(lins, percent), staging, default_staging(lins))
     streamed = [lay for i, lay in enumerate(lins) if i not in kept]
     layouts, at = [], 0
     for lay in streamed:
         layouts.append(Layout(lay.name, lay.dtype, lay.out_features, lay.in_features, at, None))
         at = round_up(at + lay.weight_bytes, ALIGN)
     # offload's copy size: four copies in the ring, two in a staging given without a budget
-    widest = max(lay.row_bytes for lay in layouts)
-    copy = copy_bytes or min(32 * MIB, max(widest, (ring - ALIGN) // (
-        2 if staging and not percent else 4)))
+    copy = copy_bytes or default_copy_bytes(ring, max(lay.row_bytes for lay in layouts),
+                                            2 if staging and not percent else 4)
     return plan_stream(layouts, list(range(len(layouts))), ring, copy, 0), kept
 
 

@@ -988,6 +988,13 @@ def _scratch_rows(lay: Layout | Resident) -> int:
                1)
 
 
+def default_copy_bytes(ring: int, widest: int, copies: int) -> int:
+    """The copy size where ``copy_size`` is not given: ``DEFAULT_COPY_BYTES``, or less
+    where a ring of ``ring`` bytes would hold fewer than ``copies`` of them in flight;
+    at least one row of ``widest`` bytes."""
+    return min(DEFAULT_COPY_BYTES, max(widest, (ring - ALIGN) // copies))
+
+
 def _streamer(chosen: list[tuple[str, nn.Linear]], arena: Arena, device: torch.device,
               staging: int | None, copy_bytes: int | None,
               quant: dict[int, str | None] | None = None, *, exact: bool = False,
@@ -1009,9 +1016,8 @@ def _streamer(chosen: list[tuple[str, nn.Linear]], arena: Arena, device: torch.d
                                if lay.bias_offset is not None), default=0), ALIGN)
     ring = default_staging(layouts) if staging is None else staging
     widest = max((lay.row_bytes for lay in layouts), default=1)
-    if copy_bytes is None:  # room for a few copies in flight, each at least one row
-        copy_bytes = min(DEFAULT_COPY_BYTES, max(
-            widest, (ring - ALIGN) // (4 if staging is None or exact else 2)))
+    if copy_bytes is None:
+        copy_bytes = default_copy_bytes(ring, widest, 4 if staging is None or exact else 2)
     if staging is None:
         ring = max(ring, max(copy_bytes, 1) + widest + ALIGN)
     plan = dataclasses.replace(
