@@ -142,7 +142,9 @@ def dequantizer(raw: torch.Tensor, kind: str, in_features: int,
     """``unpack_rows`` of ``raw`` as a function that reads the rows as they are when it is
     called: its views and launch arguments are made once (the streamer makes one per GEMM
     piece and calls it every forward). Called with ``into`` (contiguous ``dtype`` [rows,
-    in_features]), it writes the rows there, else into new ones, and returns them. On a GPU
+    in_features]), it writes the rows there, else into new ones, and returns them; called
+    with ``stream`` too (the current stream's raw handle, the rows' device current), it
+    launches there without looking either up. On a GPU
     it is one Triton kernel (:mod:`codegen.nn.kernels`); elsewhere, and where that kernel
     cannot be built, torch's elementwise ops (:func:`unpack_rows_eager`)."""
     if raw.is_cuda and raw.shape[0] and _kernel(kind, dtype, raw.device) is not None:
@@ -151,7 +153,9 @@ def dequantizer(raw: torch.Tensor, kind: str, in_features: int,
 
 
 def _eager_into(raw: torch.Tensor, kind: str, in_features: int, dtype: torch.dtype,
-                into: torch.Tensor | None = None) -> torch.Tensor:
+                into: torch.Tensor | None = None, stream: int | None = None) -> torch.Tensor:
+    """The eager dequantizer (``stream``, as ``_Launch`` takes it: unused, torch's ops run
+    on the current stream)."""
     if into is not None:
         _check_into(into, (raw.shape[0], in_features), dtype)
     rows = unpack_rows_eager(raw, kind, in_features, dtype)
@@ -243,12 +247,20 @@ class _Launch:
         self.index = raw.device.index if raw.device.type == "cuda" else None
         self.compiled: Any = None  # the compiled kernel's launcher at this grid
 
-    def __call__(self, into: torch.Tensor | None = None) -> torch.Tensor:
+    def __call__(self, into: torch.Tensor | None = None,
+                 stream: int | None = None) -> torch.Tensor:
+        """The rows dequantized (into ``into``, where given). ``stream``: the raw handle of
+        the current stream, where the caller has it and the rows' device is the current
+        one: the compiled kernel then launches on it without looking either up (a decode
+        step makes one launch a Linear, and the lookups cost the host microseconds)."""
         if into is not None:
             _check_into(into, self.shape, self.dtype)
         out = (torch.empty(self.shape, dtype=self.stored, device=self.device) if into is None
                else into.view(self.stored))
         raw, scale, *rest = self.args
+        if self.compiled is not None and stream is not None:
+            self.compiled(raw, scale, out, *rest, self.block, stream=stream)
+            return out.view(self.dtype)
         with (torch.cuda.device(self.index) if self.index is not None
               else contextlib.nullcontext()):
             if self.compiled is not None:

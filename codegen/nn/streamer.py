@@ -608,8 +608,8 @@ class Streamer:
             self.backend.read(stream, "ring", lo, hi)
             if b is not None:
                 self.backend.read(stream, "biases", b_lo, b_hi)
-            if lay.quant is not None:
-                w = w()  # the rows dequantized (their dequantizer)
+            if lay.quant is not None:  # the rows dequantized (their dequantizer)
+                w = w(None, stream if isinstance(stream, int) else None)
             y = _gemm(x, w, b, out, r0, r1)
             self._release(stream, call, spans, frees)
         return y if out is None else out
@@ -634,7 +634,7 @@ class Streamer:
             for spans, w, _, lo, hi, _, _, r0, r1, frees in runs:
                 self._await_copies(stream, spans)
                 self.backend.read(stream, "ring", lo, hi)
-                w(scratch[r0 - c0:r1 - c0])
+                w(scratch[r0 - c0:r1 - c0], stream if isinstance(stream, int) else None)
                 biases += [j for j in frees if self.plan.spans[j].is_bias_block]
                 self._release(stream, call, spans,
                               [j for j in frees if not self.plan.spans[j].is_bias_block])
