@@ -299,6 +299,27 @@ def test_a_failed_runtime_call_leaves_no_error_for_torchs_next_launch():
     assert (x * 2).tolist() == [0.0, 2.0, 4.0, 6.0]
 
 
+def test_an_event_still_queued_is_not_done_and_leaves_no_error():
+    """``done`` says whether an event's work has run: not while a sleep kernel queued
+    before its record runs, and then yes; a query that finds it not ready leaves no error
+    for torch's next launch check."""
+    from codegen.nn import cudart
+
+    rt = cudart.runtime()
+    assert rt is not None
+    stream = torch.cuda.Stream()
+    event = torch.cuda.Event()
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(200_000_000)  # about 0.1 s at 2 GHz
+        event.record(stream)
+    assert not rt.done(event.cuda_event)
+    assert rt.lib.cudaGetLastError() == 0
+    x = torch.arange(4.0, device="cuda")
+    assert (x * 2).tolist() == [0.0, 2.0, 4.0, 6.0]
+    stream.synchronize()
+    assert rt.done(event.cuda_event)
+
+
 @pytest.mark.parametrize("kind", ["fp8", "int4"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("features", [512, 4480])
