@@ -10,10 +10,10 @@ input rows, such as a decode step's, one GEMM per run of pieces back to back in 
 its GEMMs are too short to gain from starting early, and each costs the host; a
 quantized call of more rows, each run of pieces back to back in the ring dequantized
 into its rows of a scratch weight, and one GEMM per scratch), records the events that
-free the spans it read last (a scratch's runs right after their dequantization), then queues every copy
-whose waits have all been recorded: the copy stream runs as far ahead as the ring
-allows, across Linears and, at the end of a forward, into the first spans of the next
-one. A copy never waits for an event that has not been recorded yet (its record is what
+free the spans it read last (a scratch's runs right after their dequantization), then
+queues every copy whose waits have all been recorded: the copy stream runs as far ahead
+as the ring allows, across Linears and, at the end of a forward, into the first spans
+of the next one. A copy never waits for an event that has not been recorded yet (its record is what
 lets the host queue the copy), so every wait refers to the right use of the ring's
 bytes.
 
