@@ -13,9 +13,9 @@ into its rows of a scratch weight, and one GEMM per scratch), records the events
 free the spans it read last (a scratch's runs right after their dequantization), then
 queues every copy whose waits have all been recorded: the copy stream runs as far ahead
 as the ring allows, across Linears and, at the end of a forward, into the first spans
-of the next one. A copy never waits for an event that has not been recorded yet (its record is what
-lets the host queue the copy), so every wait refers to the right use of the ring's
-bytes.
+of the next one. A copy never waits for an event that has not been recorded yet (its
+record is what lets the host queue the copy), so every wait refers to the right use of
+the ring's bytes.
 
 What is not the plan's forward runs unplanned, each weight copied whole on the caller's
 stream: a call out of the learnt order (the plan is learnt again from the forward that
