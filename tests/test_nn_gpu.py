@@ -299,25 +299,26 @@ def test_a_failed_runtime_call_leaves_no_error_for_torchs_next_launch():
     assert (x * 2).tolist() == [0.0, 2.0, 4.0, 6.0]
 
 
-def test_an_event_still_queued_is_not_done_and_leaves_no_error():
-    """``done`` says whether an event's work has run: not while a sleep kernel queued
-    before its record runs, and then yes; a query that finds it not ready leaves no error
-    for torch's next launch check."""
-    from codegen.nn import cudart
+@pytest.mark.parametrize("kind", ["fp8", "int4"])
+def test_a_dequantization_given_a_stream_runs_on_it(kind):
+    """A dequantizer called with a stream's raw handle (as the streamer calls it) launches
+    its kernel there, not on the current stream: behind a sleep queued on that stream its
+    rows are not written yet, and then they equal a launch on the current stream's."""
+    from codegen.nn.quantize import dequantizer, pack_rows, quantize_weight
 
-    rt = cudart.runtime()
-    assert rt is not None
-    stream = torch.cuda.Stream()
-    event = torch.cuda.Event()
-    with torch.cuda.stream(stream):
+    torch.manual_seed(0)
+    w = torch.randn(256, 512, dtype=torch.bfloat16, device="cuda")
+    rows = dequantizer(pack_rows(*quantize_weight(w, kind), kind), kind, 512, torch.bfloat16)
+    want = rows()  # the first launch compiles the kernel
+    side = torch.cuda.Stream()
+    into = torch.zeros_like(w)
+    torch.cuda.synchronize()
+    with torch.cuda.stream(side):
         torch.cuda._sleep(200_000_000)  # about 0.1 s at 2 GHz
-        event.record(stream)
-    assert not rt.done(event.cuda_event)
-    assert rt.lib.cudaGetLastError() == 0
-    x = torch.arange(4.0, device="cuda")
-    assert (x * 2).tolist() == [0.0, 2.0, 4.0, 6.0]
-    stream.synchronize()
-    assert rt.done(event.cuda_event)
+    rows(into, side.cuda_stream)  # the current stream is the default one
+    assert into.abs().max().item() == 0  # read on the default stream: not written yet
+    side.synchronize()
+    assert torch.equal(into, want)
 
 
 @pytest.mark.parametrize("kind", ["fp8", "int4"])

@@ -541,44 +541,6 @@ def test_the_callers_stream_waits_once_for_each_span_it_reads(rows, monkeypatch)
         model(ids)
 
 
-@pytest.mark.parametrize("rows", [1, 65])
-@pytest.mark.parametrize("finished", ["every", "alternate"])
-def test_a_copy_the_host_finds_finished_is_not_waited_for(rows, finished, monkeypatch):
-    """Where the host finds a span's copy already run (its event done: a decode step whose
-    host is slower than the copies), the caller's stream queues no wait for it, and every
-    read stays ordered after its copy: the order check is told that a finished copy
-    precedes all later work, as the GPU guarantees. Finished copies are asked about
-    only for spans whose copy of this lap has been queued."""
-    ref = tiny_llama(seed=5, max_positions=128)
-    model = offloaded(ref, staging=90000, copy_size=40000)
-    s = model._codegen_offload.streamer
-    asked: list[int] = []
-    waits: list[object] = []
-
-    def done(event):
-        j = s.copied.index(event)
-        assert s.copied_lap[j] == s.lap  # this lap's copy, queued
-        asked.append(j)
-        if finished == "alternate" and len(asked) % 2:
-            return False
-        s.backend.check.wait("current", event.snapshot)  # what a finished copy means
-        return True
-
-    wait = s.backend.wait
-    monkeypatch.setattr(s.backend, "done", done)
-    monkeypatch.setattr(s.backend, "wait", lambda stream, event: (
-        waits.append(stream) if stream == "current" else None, wait(stream, event)))
-    ids = torch.randint(0, 97, (1, rows))
-    with torch.no_grad():
-        for _ in range(3):
-            asked.clear()
-            waits.clear()
-            torch.testing.assert_close(model(ids).logits, ref(ids).logits, rtol=1e-5,
-                                       atol=1e-5)
-            assert asked
-            assert len(waits) == (0 if finished == "every" else (len(asked) + 1) // 2)
-
-
 @pytest.mark.parametrize("staging, copy_size", [(200000, 30000), (40000, 4096)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_forwards_on_two_caller_streams_in_turn(bias, staging, copy_size, monkeypatch):

@@ -1,6 +1,5 @@
-"""The CUDA runtime calls an offloaded Linear's call makes many times per forward: record
-an event, ask whether one has completed, make a stream wait for one, queue a host-to-device
-copy. Made here
+"""The three CUDA runtime calls an offloaded Linear's call makes many times per forward:
+record an event, make a stream wait for one, queue a host-to-device copy. Made here
 directly on the CUDA runtime torch itself loaded (its streams and events are that
 runtime's handles), each costs about a microsecond of host time; torch's wrappers
 (``Event.record``, ``Stream.wait_event``, ``Tensor.copy_``) cost several, which a decode
@@ -16,19 +15,16 @@ import ctypes
 import functools
 
 MEMCPY_HOST_TO_DEVICE = 1  # cudaMemcpyHostToDevice
-NOT_READY = 600  # cudaErrorNotReady
 
 
 class Runtime:
-    """``cudaEventRecord``, ``cudaEventQuery``, ``cudaStreamWaitEvent`` and
-    ``cudaMemcpyAsync`` (host to device), on raw handles (ints: ``Event.cuda_event``,
-    ``Stream.cuda_stream``, data pointers); a call that fails raises ``RuntimeError``
-    with CUDA's message."""
+    """``cudaEventRecord``, ``cudaStreamWaitEvent`` and ``cudaMemcpyAsync`` (host to
+    device), on raw handles (ints: ``Event.cuda_event``, ``Stream.cuda_stream``, data
+    pointers); a call that fails raises ``RuntimeError`` with CUDA's message."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self.lib = lib
         lib.cudaEventRecord.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
-        lib.cudaEventQuery.argtypes = [ctypes.c_void_p]
         lib.cudaStreamWaitEvent.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint]
         lib.cudaMemcpyAsync.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t,
                                         ctypes.c_int, ctypes.c_void_p]
@@ -36,12 +32,10 @@ class Runtime:
         lib.cudaGetLastError.restype = ctypes.c_int
         lib.cudaGetErrorString.argtypes = [ctypes.c_int]
         lib.cudaGetErrorString.restype = ctypes.c_char_p
-        for f in (lib.cudaEventRecord, lib.cudaEventQuery, lib.cudaStreamWaitEvent,
-                  lib.cudaMemcpyAsync):
+        for f in (lib.cudaEventRecord, lib.cudaStreamWaitEvent, lib.cudaMemcpyAsync):
             f.restype = ctypes.c_int
-        self._record, self._query, self._wait, self._copy = (
-            lib.cudaEventRecord, lib.cudaEventQuery, lib.cudaStreamWaitEvent,
-            lib.cudaMemcpyAsync)
+        self._record, self._wait, self._copy = (
+            lib.cudaEventRecord, lib.cudaStreamWaitEvent, lib.cudaMemcpyAsync)
 
     def _failed(self, what: str, status: int) -> RuntimeError:
         self.lib.cudaGetLastError()  # cleared: torch checks it after its own launches
@@ -53,17 +47,6 @@ class Runtime:
         status = self._record(event, stream)
         if status:
             raise self._failed("cudaEventRecord", status)
-
-    def done(self, event: int) -> bool:
-        """Whether the work before the event's last record has completed (an event never
-        recorded has)."""
-        status = self._query(event)
-        if status == NOT_READY:
-            self.lib.cudaGetLastError()  # cleared, as torch's Event.query clears it
-            return False
-        if status:
-            raise self._failed("cudaEventQuery", status)
-        return True
 
     def wait(self, stream: int, event: int) -> None:
         status = self._wait(stream, event, 0)

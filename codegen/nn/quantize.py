@@ -250,15 +250,17 @@ class _Launch:
     def __call__(self, into: torch.Tensor | None = None,
                  stream: int | None = None) -> torch.Tensor:
         """The rows dequantized (into ``into``, where given). ``stream``: the raw handle of
-        the current stream, where the caller has it and the rows' device is the current
-        one: the compiled kernel then launches on it without looking either up (a decode
-        step makes one launch a Linear, and the lookups cost the host microseconds)."""
+        the current stream, where the caller has it: the compiled kernel then launches on
+        it, where the rows' device is the current one, without switching devices or
+        looking the stream up (a decode step makes one launch a Linear, and those cost the
+        host microseconds)."""
         if into is not None:
             _check_into(into, self.shape, self.dtype)
         out = (torch.empty(self.shape, dtype=self.stored, device=self.device) if into is None
                else into.view(self.stored))
         raw, scale, *rest = self.args
-        if self.compiled is not None and stream is not None:
+        if (self.compiled is not None and stream is not None
+                and torch.cuda.current_device() == self.index):
             self.compiled(raw, scale, out, *rest, self.block, stream=stream)
             return out.view(self.dtype)
         with (torch.cuda.device(self.index) if self.index is not None

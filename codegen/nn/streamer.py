@@ -4,18 +4,17 @@ on a copy stream, into the staging ring, ahead of the GEMM pieces that read them
 The host drives it, call by call, as the forward runs. Each Linear call waits (on the GPU)
 for the copies of its pieces' spans (a wait orders the caller's stream after every copy
 queued before it too, so a stream waits at most once a forward for any span, and a run of
-spans once, for its last; not at all where the host finds that copy already run, as a
-decode step whose host is slower than the copies does), queues its pieces (a call of few
-input rows, such as a decode step's, one GEMM per run of pieces back to back in the ring:
-its GEMMs are too short to gain from starting early, and each costs the host; a
-quantized call of more rows, each run of pieces back to back in the ring dequantized
-into its rows of a scratch weight, and one GEMM per scratch), records the events that
-free the spans it read last (a scratch's runs right after their dequantization), then
-queues every copy whose waits have all been recorded: the copy stream runs as far ahead
-as the ring allows, across Linears and, at the end of a forward, into the first spans
-of the next one. A copy never waits for an event that has not been recorded yet (its
-record is what lets the host queue the copy), so every wait refers to the right use of
-the ring's bytes.
+spans once, for its last), queues its pieces (a call of few input rows, such as
+a decode step's, one GEMM per run of pieces back to back in the ring: its GEMMs are too
+short to gain from starting early, and each costs the host; a quantized call of more
+rows, each run of pieces back to back in the ring dequantized into its rows of a
+scratch weight, and one GEMM per scratch), records the events that free the spans it
+read last (a scratch's runs right after their dequantization), then queues every copy
+whose waits have all been recorded: the copy stream runs as far ahead as the ring
+allows, across Linears and, at the end of a forward, into the first spans of the next
+one. A copy never waits for an event that has not been recorded yet (its record is what
+lets the host queue the copy), so every wait refers to the right use of the ring's
+bytes.
 
 What is not the plan's forward runs unplanned, each weight copied whole on the caller's
 stream: a call out of the learnt order (the plan is learnt again from the forward that
@@ -161,11 +160,6 @@ class _HostBackend:
     def wait(self, stream: str, event: _HostEvent) -> None:
         self.check.wait(stream, event.snapshot)
 
-    @staticmethod
-    def done(event: _HostEvent) -> bool:
-        """Never: every wait goes to the order check."""
-        return False
-
     def order(self, later: str, earlier: str) -> None:
         self.check.wait(later, self.check.record(earlier))
 
@@ -232,12 +226,6 @@ class _CudaBackend:
             self.raw.record(event.cuda_event, self._handle(stream))
         else:
             event.record(stream)
-
-    def done(self, event: torch.cuda.Event) -> bool:
-        """Whether the work before the event's last record has completed."""
-        if self.raw is not None:
-            return self.raw.done(event.cuda_event)
-        return event.query()
 
     def wait(self, stream: Any, event: torch.cuda.Event) -> None:
         if self.raw is not None:
@@ -335,7 +323,6 @@ class Streamer:
         n = len(plan.spans)
         self.plan = plan
         self.copied = [self.backend.event() for _ in range(n)]
-        self.copied_lap = [-1] * n  # the lap of each span's last queued copy
         self.freed = [self.backend.event() for _ in range(n)]
         self.freed_lap = [-1] * n
         self.lap = 0  # the lap the next call reads
@@ -461,7 +448,6 @@ class Streamer:
                             self.backend.wait(self.backend.copy_stream, self.freed[k])
                     self.backend.copy(*self.span_views[j])
                     self.backend.record(self.copied[j], self.backend.copy_stream)
-                    self.copied_lap[j] = lap
 
     def _ready(self) -> list[tuple[int, int]]:
         """The copies ``_pump`` queues now, as (span, lap), counted as queued."""
@@ -481,11 +467,7 @@ class Streamer:
         wait for one copy orders ``stream`` after every copy queued before it too: the
         stream waits once, for the last queued of ``spans``, and a span it has waited past
         (``waited``: the stream and the first index it has not, this forward) needs no
-        wait of its own, as a second piece of the same span, or the bias block, finds.
-        Where that copy (of this lap: its event's last record) has already run when the
-        host gets here, nothing is queued, and nothing timed: every copy queued before it
-        has run too, and all work queued from now on runs after them (eagerly only; a
-        captured forward waits, as its replays need)."""
+        wait of its own, as a second piece of the same span, or the bias block, finds."""
         n = len(self.plan.spans)
         key = self.backend.key(stream)
         past = self.waited[1] if self.waited is not None and self.waited[0] == key else 0
@@ -503,9 +485,6 @@ class Streamer:
         if last < 0:
             return
         self.waited = (key, max(last + 1, past))
-        if (not self.capturing and self.copied_lap[last % n] == last // n
-                and self.backend.done(self.copied[last % n])):
-            return  # that copy, and every one queued before it, has run: nothing to wait for
         probe = self.probe_waits and self.now is not None and not self.capturing and isinstance(
             self.backend, _CudaBackend)
         if probe:
