@@ -312,6 +312,9 @@ def test_a_dequantization_given_a_stream_runs_on_it(kind):
     want = rows()  # the first launch compiles the kernel
     side = torch.cuda.Stream()
     into = torch.zeros_like(w)
+    # The read below, once first: its kernels loaded (CUDA loads a kernel lazily at its
+    # first launch, which waits for the device to be idle, the sleep included).
+    assert into.abs().max().item() == 0
     torch.cuda.synchronize()
     with torch.cuda.stream(side):
         torch.cuda._sleep(200_000_000)  # about 0.1 s at 2 GHz
