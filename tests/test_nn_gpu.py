@@ -303,13 +303,16 @@ def test_a_failed_runtime_call_leaves_no_error_for_torchs_next_launch():
 def test_a_dequantization_given_a_stream_runs_on_it(kind):
     """A dequantizer called with a stream's raw handle (as the streamer calls it) launches
     its kernel there, not on the current stream: behind a sleep queued on that stream its
-    rows are not written yet, and then they equal a launch on the current stream's."""
-    from codegen.nn.quantize import dequantizer, pack_rows, quantize_weight
+    rows are not written yet, and then they are torch's elementwise dequantization's, bit
+    for bit."""
+    from codegen.nn.quantize import dequantizer, pack_rows, quantize_weight, unpack_rows_eager
 
     torch.manual_seed(0)
     w = torch.randn(256, 512, dtype=torch.bfloat16, device="cuda")
-    rows = dequantizer(pack_rows(*quantize_weight(w, kind), kind), kind, 512, torch.bfloat16)
-    want = rows()  # the first launch compiles the kernel
+    raw = pack_rows(*quantize_weight(w, kind), kind)
+    rows = dequantizer(raw, kind, 512, torch.bfloat16)
+    rows()  # the first launch compiles the kernel
+    want = unpack_rows_eager(raw, kind, 512, torch.bfloat16)
     side = torch.cuda.Stream()
     into = torch.zeros_like(w)
     # The read below, once first: its kernels loaded (CUDA loads a kernel lazily at its

@@ -593,8 +593,9 @@ def test_long_and_short_calls_on_quantized_weights_match_the_reference(kind, sta
 
     def dequantizer(raw, *args):
         run = make(raw, *args)
-        return lambda *into: (log.append((raw.data_ptr() - s.ring.data_ptr(), raw.shape[0])),
-                              run(*into))[1]
+        return lambda *into, **stream: (
+            log.append((raw.data_ptr() - s.ring.data_ptr(), raw.shape[0])),
+            run(*into, **stream))[1]
 
     monkeypatch.setattr(streamer_module, "dequantizer", dequantizer)
     monkeypatch.setattr(streamer_module, "_gemm", lambda *a: (log.append(None), gemm(*a))[1])

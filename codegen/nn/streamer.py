@@ -74,6 +74,12 @@ def _gemm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, out: torch.T
     return torch.addmm(b, x, w.t(), out=out[:, r0:r1])  # type: ignore[index]
 
 
+def _raw(stream: Any) -> int | None:
+    """``stream`` as a dequantizer takes it: the raw handle the CUDA backend gives while
+    its device is the current one (``_CudaBackend.current``), else None."""
+    return stream if isinstance(stream, int) else None
+
+
 class OrderCheck:
     """Happens-before over the host backend's two streams (vector clocks, as CUDA orders
     streams with events): raises :class:`InternalError` where a read of staging bytes is
@@ -609,7 +615,7 @@ class Streamer:
             if b is not None:
                 self.backend.read(stream, "biases", b_lo, b_hi)
             if lay.quant is not None:  # the rows dequantized (their dequantizer)
-                w = w(None, stream if isinstance(stream, int) else None)
+                w = w(stream=_raw(stream))
             y = _gemm(x, w, b, out, r0, r1)
             self._release(stream, call, spans, frees)
         return y if out is None else out
@@ -634,7 +640,7 @@ class Streamer:
             for spans, w, _, lo, hi, _, _, r0, r1, frees in runs:
                 self._await_copies(stream, spans)
                 self.backend.read(stream, "ring", lo, hi)
-                w(scratch[r0 - c0:r1 - c0], stream if isinstance(stream, int) else None)
+                w(scratch[r0 - c0:r1 - c0], stream=_raw(stream))
                 biases += [j for j in frees if self.plan.spans[j].is_bias_block]
                 self._release(stream, call, spans,
                               [j for j in frees if not self.plan.spans[j].is_bias_block])
