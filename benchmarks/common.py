@@ -496,16 +496,19 @@ def offloadable(model: Any) -> list[tuple[str, torch.nn.Linear]]:
             if isinstance(m, torch.nn.Linear) and is_decoder_linear(n, m)]
 
 
-# A budget row's name: what it runs, its budget (percent), its format, its staging (MiB).
-ROW = r"([a-z]+)_p([0-9]+)(?:_(fp8|int4))?(?:_s([0-9]+))?"
+# A budget row's name: what it runs, its budget (percent), its format, its staging (MiB),
+# and the step its plan is optimized for where that is not decode (``_prefill``).
+ROW = r"([a-z]+)_p([0-9]+)(?:_(fp8|int4))?(?:_s([0-9]+))?(?:_(prefill))?"
 
 
-def budget_and_staging(model: Any, percent: int,
-                       staging_mib: int | None) -> tuple[int | None, int | None]:
+def budget_and_staging(model: Any, percent: int, staging_mib: int | None,
+                       prefill: bool = False) -> tuple[int | None, int | None]:
     """``offload()``'s ``gpu_budget`` and ``staging`` for a row of ``percent`` and
-    ``staging_mib``: 0% with a staging of its own is no budget (every weight streamed)."""
+    ``staging_mib``: 0% with a staging of its own, or with a plan optimized for prefill
+    (whose staging is larger than the 0% budget), is no budget (every weight streamed)."""
     staging = staging_mib * 2**20 if staging_mib else None
-    return (None if staging and not percent else budget_bytes(model, percent)), staging
+    unbounded = (staging or prefill) and not percent
+    return (None if unbounded else budget_bytes(model, percent)), staging
 
 
 def budget_bytes(model: Any, percent: int) -> int:

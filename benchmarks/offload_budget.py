@@ -5,6 +5,7 @@
                                         [--layers N]
                                         [--variants codegen,accelerate,prefetch,gpu,copy]
                                         [--quantize fp8,int4] [--staging MiB,...]
+                                        [--prefill-plan]
                                         [--out DIR] [--dry-run]
 
 32 layers, h 4096, i 14336, 32 heads, 8 kv heads, vocab 128256, bf16, random weights built
@@ -33,7 +34,11 @@ once and timed interleaved:
   (bf16) ms over the row's;
 - with ``--staging MiB,...``: each codegen row again (and its floor) with
   ``offload(..., staging=MiB)``, named ``..._s<MiB>`` (a quantized one with its own
-  dequant row: it may stream other weights).
+  dequant row: it may stream other weights);
+- with ``--prefill-plan``: each codegen row again (and its floor) with
+  ``offload(..., optimize_for="prefill")`` (a ring of a whole layer where the budget
+  allows), named ``..._prefill``; at 0%, with no budget (the 0% budget is the decode
+  plan's ring).
 
 Steps: prefills of ``--tokens`` tokens (1: the decode step of ``offload_llama``, one token
 after a 512-token prompt with a ``DynamicCache``), each prefill returning every position's
@@ -124,7 +129,7 @@ FROM_GPU = False  # --offload-from-gpu: offload the model where it was built (fa
 
 
 def codegen_row(config: Any, percent: int, quantize: str | None = None,
-                staging_mib: int | None = None) -> Built:
+                staging_mib: int | None = None, optimize_for: str = "decode") -> Built:
     """The model offloaded from host memory (where a model that does not fit is), so that
     offload()'s own peak is what it puts on the GPU: the rest of the model, the resident
     Linears and the staging. With ``FROM_GPU``, from the GPU it was built on: the held
@@ -132,7 +137,8 @@ def codegen_row(config: Any, percent: int, quantize: str | None = None,
     it has succeeded)."""
     model = build(config) if FROM_GPU else build(config).cpu()
     rest = rest_bytes(model)
-    budget, staging = budget_and_staging(model, percent, staging_mib)
+    budget, staging = budget_and_staging(model, percent, staging_mib,
+                                         optimize_for == "prefill")
     gc.collect()
     torch.cuda.synchronize()
     weights = sum(t.numel() * t.element_size() for _, m in offloadable(model)
@@ -143,7 +149,7 @@ def codegen_row(config: Any, percent: int, quantize: str | None = None,
     torch.cuda.reset_peak_memory_stats()
     started = time.perf_counter()
     codegen.nn.offload(model, filter=is_decoder_linear, gpu_budget=budget, quantize=quantize,
-                       staging=staging)
+                       staging=staging, optimize_for=optimize_for)
     offload_s = time.perf_counter() - started
     torch.cuda.synchronize()
     gc.collect()
@@ -162,7 +168,8 @@ def codegen_row(config: Any, percent: int, quantize: str | None = None,
         plan.expected_ms(4096), "rest_mib": rest / 2**20, "offload_s": offload_s}
     print(plan.placement().splitlines()[0]
           + (f"  [{format_bytes(budget)} budget]" if budget else ""))
-    suffix = (f"_{quantize}" if quantize else "") + (f"_s{staging_mib}" if staging_mib else "")
+    suffix = ((f"_{quantize}" if quantize else "") + (f"_s{staging_mib}" if staging_mib else "")
+              + (f"_{optimize_for}" if optimize_for != "decode" else ""))
     return Built(f"codegen_p{percent}{suffix}", model, **facts)
 
 
@@ -228,9 +235,10 @@ def make(name: str, config: Any, built: dict[str, Built]) -> Built:
         model = build(config)
         return Built(name, model, keep=LayerPrefetch(model, wrap=name == "prefetch"))
     found = re.fullmatch(ROW, name)
-    kind, percent, quantize, staging = found.groups() if found else (None,) * 4
+    kind, percent, quantize, staging, plan_for = found.groups() if found else (None,) * 5
     if kind == "codegen":
-        return codegen_row(config, int(percent), quantize, staging and int(staging))
+        return codegen_row(config, int(percent), quantize, staging and int(staging),
+                           plan_for or "decode")
     if kind == "accelerate":
         return accelerate_row(config, int(percent))
     if kind == "copy":
@@ -268,7 +276,7 @@ def rows_of(step: str, tokens: int, times: dict[str, list[float]],
     for v, t in times.items():
         found = re.fullmatch(ROW, v)
         percent = found.group(2) if found else "0" if v in PREFETCHES else None
-        suffix = v[found.end(2):] if found else ""  # the row's format and staging
+        suffix = v[found.end(2):] if found else ""  # the row's format, staging and plan
         floor = times.get(f"copy_p{percent}{suffix}") if percent is not None else None
         gpu = times.get("gpu")
         dequant = times.get(f"dequant_p{percent}{suffix}") if suffix else None
@@ -323,6 +331,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--quantize-budgets", default="0")
     parser.add_argument("--staging", default="", metavar="MiB,...",
                         help="each codegen row again with offload(staging=) of each size")
+    parser.add_argument("--prefill-plan", action="store_true",
+                        help="each codegen row again with offload(optimize_for='prefill')")
     parser.add_argument("--offload-from-gpu", action="store_true",
                         help="offload each model from the GPU it is built on (a faster "
                              "set-up; offload()'s own peak is then not measured)")
@@ -374,6 +384,13 @@ def row_names(args: argparse.Namespace) -> list[str]:
             for p in args.quantize_budgets:
                 names += [f"codegen_p{p}_{kind}_s{mib}", f"copy_p{p}_{kind}_s{mib}",
                           f"dequant_p{p}_{kind}_s{mib}"]
+    if args.prefill_plan:  # the same rows again, planned for prefill
+        for p in args.budgets:
+            names += [f"codegen_p{p}_prefill", f"copy_p{p}_prefill"]
+        for kind in args.quantize:
+            for p in args.quantize_budgets:
+                names += [f"codegen_p{p}_{kind}_prefill", f"copy_p{p}_{kind}_prefill",
+                          f"dequant_p{p}_{kind}_prefill"]
     names += [v for v in PREFETCHES if v in args.variants]
     if "accelerate" in args.variants and importlib.util.find_spec("accelerate") is not None:
         names += [f"accelerate_p{p}" for p in args.accelerate_budgets]
@@ -388,13 +405,18 @@ def dry_run(args: argparse.Namespace) -> int:
     total = sum(lay.nbytes for lay in linears)
     print(f"offloadable: {len(linears)} Linears, {format_bytes(total)}; rest of the model "
           f"{format_bytes(rest_bytes(model))}; rows: {', '.join(row_names(args))}")
-    for p in args.budgets:
-        budget = budget_bytes(model, p)
-        kept, ring = place(linears, budget, None, default_staging(linears))
-        resident = sum(linears[i].nbytes for i in kept)
-        print(f"{p:3}%: budget {format_bytes(budget)}: {len(kept)} resident "
-              f"({format_bytes(resident)}), ring {format_bytes(ring)}, streamed "
-              f"{format_bytes(total - resident)}")
+    for plan_for in ("decode", "prefill") if args.prefill_plan else ("decode",):
+        for p in args.budgets:
+            budget = budget_bytes(model, p)
+            label = f"budget {format_bytes(budget)}"
+            if plan_for == "prefill" and not p:  # no budget: every weight streamed
+                label, kept, ring = "no budget", frozenset(), default_staging(linears, plan_for)
+            else:
+                kept, ring = place(linears, budget, None, default_staging(linears, plan_for))
+            resident = sum(linears[i].nbytes for i in kept)
+            print(f"{p:3}%, for {plan_for}: {label}: {len(kept)} "
+                  f"resident ({format_bytes(resident)}), ring {format_bytes(ring)}, streamed "
+                  f"{format_bytes(total - resident)}")
     return 0
 
 

@@ -25,7 +25,8 @@ REPO = Path(__file__).resolve().parent.parent
 PRODUCT = ("bench_matmul", "bench_layers", "bench_copy", "mlp_offload", "offload_llama",
            "offload_budget", "backward", "host_cost", "bench_overlap", "bench_build")
 PROBES = ("copy2d_probe", "copy_contention", "copy_trace", "small_gemm_probe", "backward_kernels",
-          "backward_streams", "host_reads", "copy_cost", "budget_trace", "budget_model")
+          "backward_streams", "host_reads", "copy_cost", "budget_trace", "budget_model",
+          "stream_op_cost")
 
 
 def run_module(module: str, *args: str) -> subprocess.CompletedProcess:
@@ -807,6 +808,20 @@ def test_offload_budget_bounds_a_quantized_row_by_the_gpu_model_plus_its_dequant
         "gpu", "prefetch"]
     done = run_module("benchmarks.offload_budget", "--dry-run", "--staging", "0")
     assert done.returncode == 2 and "--staging: sizes in MiB, each above 0" in done.stderr
+    # --prefill-plan: each budget's rows again, optimize_for="prefill", bounded by their own
+    # copy floor; at 0% with no budget (the 0% budget is the decode plan's ring)
+    names = row_names(parse(["--budgets", "0,50", "--variants", "gpu,copy", "--prefill-plan"]))
+    assert names == ["gpu", "codegen_p0", "copy_p0", "codegen_p50", "copy_p50",
+                     "codegen_p0_prefill", "copy_p0_prefill", "codegen_p50_prefill",
+                     "copy_p50_prefill"]
+    times = {"gpu": [100.0, 100.0], "copy_p50": [90.0, 90.0], "codegen_p50": [99.0, 99.0],
+             "copy_p50_prefill": [110.0, 110.0], "codegen_p50_prefill": [121.0, 115.5]}
+    rows = {r["variant"]: r for r in rows_of("prefill", 4096, times,
+                                                {v: Built(v) for v in times})}
+    assert rows["codegen_p50_prefill"]["vs_floor"] == pytest.approx(1.075)
+    assert rows["codegen_p50_prefill"]["accelerate_over"] is None
+    from benchmarks.common import budget_and_staging
+    assert budget_and_staging(None, 0, None, prefill=True) == (None, None)
     done = run_module("benchmarks.offload_budget", "--dry-run", "--variants", "codegen,prefech")
     assert done.returncode == 2 and "--variants: unknown prefech; choose from" in done.stderr
 

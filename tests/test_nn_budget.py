@@ -200,3 +200,62 @@ def test_bad_budgets_are_refused_by_name():
     with pytest.raises(ValueError, match=r"gpu_budget of 100 bytes .* give gpu_budget >= "):
         offloaded(ref, gpu_budget=100)
     assert type(ref.model.layers[0].mlp.up_proj) is nn.Linear  # refused before any change
+
+
+# ---------------------------------------------------------------------------- optimize_for
+
+
+def layer_bytes(model, layer=0):
+    """The arena bytes of one decoder layer's Linears, each at a multiple of ALIGN."""
+    return sum(-(-m.weight.numel() * m.weight.element_size() // ALIGN) * ALIGN
+               for n, m in model.named_modules()
+               if type(m) is nn.Linear and n.startswith(f"model.layers.{layer}."))
+
+
+def test_a_plan_for_prefill_stages_a_whole_layer_where_decode_stages_half():
+    ref = tiny_llama(seed=6, layers=3)
+    whole = layer_bytes(ref)
+    decode = codegen.nn.offload_plan(offloaded(ref))
+    prefill = codegen.nn.offload_plan(offloaded(ref, optimize_for="prefill"))
+    assert decode.ring_bytes == whole // 2 and decode.optimize_for == "decode"
+    assert prefill.ring_bytes == whole and prefill.optimize_for == "prefill"
+    assert prefill.streamed_bytes == decode.streamed_bytes  # no budget: everything streamed
+    assert "optimized for prefill" in prefill.placement()
+    assert "optimized for" not in decode.placement()
+
+
+@pytest.mark.parametrize("share", [0.5, 0.75])
+def test_a_plan_for_prefill_under_a_budget_holds_it_and_matches_the_original(share):
+    ref = tiny_llama(seed=7, layers=3)
+    budget = int(share * offloadable_bytes(ref))
+    decode = codegen.nn.offload_plan(offloaded(ref, gpu_budget=budget))
+    model = offloaded(ref, gpu_budget=budget, optimize_for="prefill")
+    plan = codegen.nn.offload_plan(model)
+    # The larger ring comes out of the resident weights: more is streamed, within budget.
+    assert plan.ring_bytes == layer_bytes(ref) == 2 * decode.ring_bytes
+    assert plan.gpu_bytes <= budget and decode.gpu_bytes <= budget
+    assert plan.streamed_bytes > decode.streamed_bytes
+    ids = torch.randint(0, 97, (2, 11))
+    with torch.no_grad():
+        for _ in range(3):
+            torch.testing.assert_close(model(ids).logits, ref(ids).logits, rtol=1e-5,
+                                       atol=1e-5)
+    r = codegen.nn.report(model)
+    assert r.unplanned_calls == 0 and r.bytes_moved == plan.streamed_bytes
+    assert r.plan.optimize_for == "prefill"
+    # A budget smaller than a whole layer's ring holds: the ring is what it leaves.
+    small = offloaded(ref, gpu_budget=layer_bytes(ref) // 2 + 4096, optimize_for="prefill")
+    assert codegen.nn.offload_plan(small).gpu_bytes <= layer_bytes(ref) // 2 + 4096
+
+
+def test_bad_optimize_for_is_refused_by_name():
+    ref = tiny_llama(seed=2)
+    with pytest.raises(ValueError, match="optimize_for must be 'decode' or 'prefill', got "
+                                         "'fast'"):
+        offloaded(ref, optimize_for="fast")
+    with pytest.raises(ValueError, match=r"staging='64MiB' sets the ring that "
+                                         r"optimize_for='prefill' would size; give one"):
+        offloaded(ref, optimize_for="prefill", staging="64MiB")
+    with pytest.raises(ValueError, match="optimize_for needs prefetch=True"):
+        offloaded(ref, optimize_for="prefill", prefetch=False)
+    assert type(ref.model.layers[0].mlp.up_proj) is nn.Linear  # refused before any change

@@ -2,8 +2,9 @@
 model under a GPU budget?
 
 For each ``--configs`` entry (``p<percent>`` of the offloadable bytes as ``gpu_budget``,
-then optionally ``_fp8`` / ``_int4`` and ``_s<MiB>`` of staging, as ``offload_budget``
-names its rows, and ``_c<MiB>``, the copy size; ``gpu``: the model not offloaded, every
+then optionally ``_fp8`` / ``_int4``, ``_s<MiB>`` of staging and ``_prefill``
+(``optimize_for="prefill"``), as ``offload_budget`` names its rows, and ``_c<MiB>``, the
+copy size; ``gpu``: the model not offloaded, every
 weight on the GPU, to compare with) the model is offloaded and three prefills
 of ``--tokens`` run back to back under the profiler. A marker kernel on the compute stream
 opens each forward and another its tail (the final norm and lm_head), and the attention
@@ -85,12 +86,14 @@ def offloaded(config: str, layers: int) -> torch.nn.Module:
     match = re.fullmatch(ROW, f"codegen_{row}")
     if not match or (copy_mib and not copy_mib.isdigit()):
         raise SystemExit(f"budget_trace: config {config!r} is not p<percent>[_fp8|_int4]"
-                         "[_s<MiB>][_c<MiB>]")
-    percent, quantize, staging_mib = int(match[2]), match[3], match[4]
+                         "[_s<MiB>][_prefill][_c<MiB>]")
+    percent, quantize, staging_mib, plan_for = int(match[2]), match[3], match[4], match[5]
     model = build(config_8b(layers))
-    budget, staging = budget_and_staging(model, percent, staging_mib and int(staging_mib))
+    budget, staging = budget_and_staging(model, percent, staging_mib and int(staging_mib),
+                                         plan_for == "prefill")
     return codegen.nn.offload(model, filter=is_decoder_linear, gpu_budget=budget,
                               quantize=quantize, staging=staging,
+                              optimize_for=plan_for or "decode",
                               copy_size=int(copy_mib) * 2**20 if copy_mib else None)
 
 

@@ -210,6 +210,8 @@ class StreamPlan:
     resident: tuple[Resident, ...] = ()
     budget: int | None = None
     copy_gbps: float = 0.0  # measured at offload time; 0: the data sheet's rate
+    # The step the default ring is sized for (``offload(..., optimize_for=)``).
+    optimize_for: str = "decode"
 
     @property
     def order(self) -> tuple[int, ...]:
@@ -266,6 +268,8 @@ class StreamPlan:
         rate = self.copy_gbps or COPY_BYTES_PER_MS / 1e6
         budget = "no GPU budget" if self.budget is None else (
             f"gpu_budget {format_bytes(self.budget)}")
+        if self.optimize_for != "decode":
+            budget += f", optimized for {self.optimize_for}"
         lines = [f"placement ({budget}): resident {format_bytes(self.resident_bytes)} in "
                  f"{len(self.resident)} Linears + staging {format_bytes(self.staging_bytes)} "
                  f"= {format_bytes(self.gpu_bytes)} on the GPU; streamed "

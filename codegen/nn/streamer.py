@@ -416,7 +416,8 @@ class Streamer:
         plan = dataclasses.replace(
             plan_stream(self.plan.layouts, order, self.plan.ring_bytes, self.plan.copy_bytes,
                         self.plan.bias_bytes),
-            resident=self.plan.resident, budget=self.plan.budget, copy_gbps=self.plan.copy_gbps)
+            resident=self.plan.resident, budget=self.plan.budget, copy_gbps=self.plan.copy_gbps,
+            optimize_for=self.plan.optimize_for)
         self._restart(self.backend.current())
         self._set_plan(plan)
         self._pump()
