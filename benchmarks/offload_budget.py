@@ -282,8 +282,8 @@ def rows_of(step: str, tokens: int, times: dict[str, list[float]],
         dequant = times.get(f"dequant_p{percent}{suffix}") if suffix else None
         if gpu and dequant:  # a quantized row's GPU-resident bound: + its dequantization
             gpu = [g + d for g, d in zip(gpu, dequant)]
-        accel = (times.get(f"accelerate_p{percent}") if percent is not None and not suffix
-                 else None)
+        accel = (times.get(f"accelerate_p{percent}")  # bf16 rows: at the same budget
+                 if percent is not None and not (found and found.group(3)) else None)
         prefetch = times.get("prefetch")
         bound = ([max(f, g) for f, g in zip(floor, gpu)] if floor and gpu else floor)
         rows.append({"step": step, "tokens": tokens, "variant": v, "ms": statistics.median(t),

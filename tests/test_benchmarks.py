@@ -815,11 +815,14 @@ def test_offload_budget_bounds_a_quantized_row_by_the_gpu_model_plus_its_dequant
                      "codegen_p0_prefill", "copy_p0_prefill", "codegen_p50_prefill",
                      "copy_p50_prefill"]
     times = {"gpu": [100.0, 100.0], "copy_p50": [90.0, 90.0], "codegen_p50": [99.0, 99.0],
-             "copy_p50_prefill": [110.0, 110.0], "codegen_p50_prefill": [121.0, 115.5]}
+             "copy_p50_prefill": [110.0, 110.0], "codegen_p50_prefill": [121.0, 115.5],
+             "accelerate_p50": [1210.0, 1155.0], "copy_p0_fp8": [50.0, 50.0],
+             "codegen_p0_fp8": [100.0, 100.0], "accelerate_p0": [900.0, 900.0]}
     rows = {r["variant"]: r for r in rows_of("prefill", 4096, times,
                                                 {v: Built(v) for v in times})}
     assert rows["codegen_p50_prefill"]["vs_floor"] == pytest.approx(1.075)
-    assert rows["codegen_p50_prefill"]["accelerate_over"] is None
+    assert rows["codegen_p50_prefill"]["accelerate_over"] == pytest.approx(10.0)  # same budget
+    assert rows["codegen_p0_fp8"]["accelerate_over"] is None  # bf16 rows only
     from benchmarks.common import budget_and_staging
     assert budget_and_staging(None, 0, None, prefill=True) == (None, None)
     done = run_module("benchmarks.offload_budget", "--dry-run", "--variants", "codegen,prefech")

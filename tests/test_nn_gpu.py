@@ -193,12 +193,13 @@ def test_a_weight_written_on_the_gpu_between_forwards_is_read_new(cache_dir):
                                    atol=1e-5)
 
 
-@pytest.mark.parametrize("share", [0.4, 0.6])
-def test_a_gpu_budget_bounds_the_offloaded_weights_on_the_gpu(share):
+@pytest.mark.parametrize("share,optimize_for", [(0.4, "decode"), (0.6, "decode"),
+                                                (0.6, "prefill"), (0.75, "prefill")])
+def test_a_gpu_budget_bounds_the_offloaded_weights_on_the_gpu(share, optimize_for):
     """A budget that holds the default staging (half a decoder layer: a quarter of this
-    model's Linear bytes) and some weights besides: both resident and streamed weights, and
-    the GPU memory offload() takes beyond the rest of the model, held and at its peak,
-    within the budget."""
+    model's Linear bytes; planned for prefill, a whole layer) and some weights besides:
+    both resident and streamed weights, and the GPU memory offload() takes beyond the rest
+    of the model, held and at its peak, within the budget."""
     torch.manual_seed(0)
     ref = tiny_llama(torch.bfloat16)
     linears = [(n, m) for n, m in ref.named_modules() if isinstance(m, nn.Linear)]
@@ -212,12 +213,12 @@ def test_a_gpu_budget_bounds_the_offloaded_weights_on_the_gpu(share):
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    codegen.nn.offload(model, gpu_budget=budget)
+    codegen.nn.offload(model, gpu_budget=budget, optimize_for=optimize_for)
     torch.cuda.synchronize()
     held = torch.cuda.memory_allocated() - before - rest
     peak = torch.cuda.max_memory_allocated() - before - rest
     plan = codegen.nn.offload_plan(model)
-    assert plan.resident and plan.streamed
+    assert plan.resident and plan.streamed and plan.optimize_for == optimize_for
     assert held <= budget and peak <= budget, (held, peak, budget)
     ids = torch.randint(0, 101, (2, 11), device="cuda")
     ref = ref.cuda()

@@ -17,7 +17,8 @@ subclass), so transformers models work unchanged, ``generate()`` included.
 Inference (no gradients needed) streams the arena by a copy plan (``plan.py``, run by
 ``streamer.py``): each forward copies it in spans of about ``copy_size`` bytes, across
 Linear boundaries, into a GPU staging ring of ``staging`` bytes (by default half of the
-largest decoder layer's offloaded weights), and each Linear's GEMM runs in pieces, one
+largest decoder layer's offloaded weights; with ``optimize_for="prefill"`` all of them),
+and each Linear's GEMM runs in pieces, one
 per span its rows lie in, each waiting only for its span's copy. A copy is queued as soon
 as the readers of the ring bytes it overwrites have been queued, so the copy engine runs
 ahead of the GEMMs by up to the ring, across Linears, and at the end of a forward into

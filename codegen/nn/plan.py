@@ -532,7 +532,8 @@ def place(linears: list[Resident] | tuple[Resident, ...], budget: int, staging: 
     bytes, and the ring's bytes.
 
     Before: every Linear streamed. After: the indices of those kept resident, and a ring
-    of ``staging`` bytes (default: ``default_staging``, or what the budget leaves for it).
+    of ``staging`` bytes (default: ``default_staging``, sized by the caller for the step
+    the plan is for, or what the budget leaves for it).
     Every GPU tensor is counted as the caching allocator hands it out (in multiples of
     512 bytes), and every bias in the bias buffer, resident or not, so the resident
     weights and biases, the ring and the bias buffer stay within ``budget`` whatever the
