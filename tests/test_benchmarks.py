@@ -825,6 +825,13 @@ def test_offload_budget_bounds_a_quantized_row_by_the_gpu_model_plus_its_dequant
     assert rows["codegen_p0_fp8"]["accelerate_over"] is None  # bf16 rows only
     from benchmarks.common import budget_and_staging
     assert budget_and_staging(None, 0, None, prefill=True) == (None, None)
+    # at any other budget, the same budget as the decode plan's row
+    pytest.importorskip("transformers")
+    from benchmarks.common import build, config_8b, offloadable
+    meta = build(config_8b(2), device="meta")
+    half = sum(m.weight.numel() * 2 for _, m in offloadable(meta)) // 2
+    assert budget_and_staging(meta, 50, None, prefill=True) == (half, None)
+    assert budget_and_staging(meta, 50, None) == (half, None)
     done = run_module("benchmarks.offload_budget", "--dry-run", "--variants", "codegen,prefech")
     assert done.returncode == 2 and "--variants: unknown prefech; choose from" in done.stderr
 

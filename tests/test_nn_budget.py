@@ -174,10 +174,12 @@ def test_the_plan_says_what_is_resident_and_streamed_and_what_a_forward_costs():
     assert plan.expected_ms(10**7) > plan.expected_ms(1)  # a huge prefill: the GEMMs
 
 
-def test_the_budget_keeps_its_split_when_the_call_order_is_learnt_again():
+@pytest.mark.parametrize("optimize_for", ["decode", "prefill"])
+def test_the_budget_keeps_its_split_when_the_call_order_is_learnt_again(optimize_for):
     torch.manual_seed(0)
     ref = nn.Sequential(*[nn.Linear(64, 64) for _ in range(8)])
-    model = codegen.nn.offload(copy.deepcopy(ref), device="cpu", gpu_budget=6 * 64 * 64 * 4)
+    model = codegen.nn.offload(copy.deepcopy(ref), device="cpu", gpu_budget=6 * 64 * 64 * 4,
+                               optimize_for=optimize_for)
     before = codegen.nn.offload_plan(model)
     assert before.resident and before.streamed
     x = torch.randn(3, 64)
@@ -188,7 +190,9 @@ def test_the_budget_keeps_its_split_when_the_call_order_is_learnt_again():
         for _ in range(2):
             torch.testing.assert_close(model(x), reversed_ref(x))
     after = codegen.nn.offload_plan(model)
+    assert after is not before and after.order != before.order  # planned again
     assert after.resident == before.resident and after.budget == before.budget
+    assert after.optimize_for == optimize_for and after.ring_bytes == before.ring_bytes
 
 
 def test_bad_budgets_are_refused_by_name():
@@ -243,9 +247,28 @@ def test_a_plan_for_prefill_under_a_budget_holds_it_and_matches_the_original(sha
     r = codegen.nn.report(model)
     assert r.unplanned_calls == 0 and r.bytes_moved == plan.streamed_bytes
     assert r.plan.optimize_for == "prefill"
-    # A budget smaller than a whole layer's ring holds: the ring is what it leaves.
-    small = offloaded(ref, gpu_budget=layer_bytes(ref) // 2 + 4096, optimize_for="prefill")
-    assert codegen.nn.offload_plan(small).gpu_bytes <= layer_bytes(ref) // 2 + 4096
+    # A budget smaller than a whole layer's ring holds: the ring is what it leaves (no
+    # biases here), in the allocator's 512-byte steps; the decode plan's is half a layer.
+    budget = layer_bytes(ref) // 2 + 4096
+    small = codegen.nn.offload_plan(offloaded(ref, gpu_budget=budget, optimize_for="prefill"))
+    assert small.ring_bytes == budget // 512 * 512 and small.gpu_bytes <= budget
+    assert codegen.nn.offload_plan(offloaded(ref, gpu_budget=budget)).ring_bytes == (
+        layer_bytes(ref) // 2)
+
+
+def test_a_quantized_plan_for_prefill_stages_a_whole_layer_above_the_quantized_floors():
+    from codegen.nn.offload import default_staging
+
+    # Two layers of four int4 16384 x 16384 weights: a layer (512 MiB and its scales) is
+    # more than four copies or four scratches' rows, so it sizes the ring; half for decode.
+    q = [Resident(f"layers.{i}.w{j}", torch.bfloat16, 16384, 16384, False, "int4")
+         for i in range(2) for j in range(4)]
+    layer = sum(-(-lay.streamed_weight_bytes // ALIGN) * ALIGN for lay in q[:4])
+    assert layer > 2**29
+    assert default_staging(q, "prefill") == layer
+    assert default_staging(q, "decode") == layer // 2
+    with pytest.raises(ValueError, match="optimize_for must be one of .* got 'fast'"):
+        default_staging(q, "fast")
 
 
 def test_bad_optimize_for_is_refused_by_name():
@@ -256,6 +279,6 @@ def test_bad_optimize_for_is_refused_by_name():
     with pytest.raises(ValueError, match=r"staging='64MiB' sets the ring that "
                                          r"optimize_for='prefill' would size; give one"):
         offloaded(ref, optimize_for="prefill", staging="64MiB")
-    with pytest.raises(ValueError, match="optimize_for needs prefetch=True"):
+    with pytest.raises(ValueError, match="optimize_for='prefill' needs prefetch=True"):
         offloaded(ref, optimize_for="prefill", prefetch=False)
     assert type(ref.model.layers[0].mlp.up_proj) is nn.Linear  # refused before any change

@@ -20,8 +20,9 @@ wait for a value already written, before each GEMM, and a value written after it
 ``cuStreamWaitValue32`` / ``cuStreamWriteValue32``); ``copying`` (plain, with an 8 MiB
 host-to-device copy queued on another stream per piece, not ordered with the GEMMs);
 ``ring_events`` and ``ring_values``: a two-stream pipeline through a ring of four 8 MiB
-slots (each GEMM reads its slot after its copy; each copy waits until the GEMM that read
-the slot's last bytes is done), ordered with events, or with values.
+slots (each GEMM waits for its slot's copy, each copy until the GEMM of the slot's last
+use is done: the ordering of a read, though the GEMM reads its own weight, not the
+slot), ordered with events, or with values.
 
     python -m benchmarks.probes.stream_op_cost [--pieces 4] [--rows 4096] [--rounds 7]
 """

@@ -675,8 +675,10 @@ def offload(model: nn.Module, slices: int = 8, *, filter: Filter | None = None, 
     ``"decode"`` (the default: half a layer, the least that keeps the copies running, so
     that the fewest bytes are streamed and a decode step, bound by its copies, is
     fastest) or ``"prefill"`` (a whole layer: long prefills keep the copy engine running
-    through the forward's tail and resident stretches, at the cost of streaming the
-    larger ring's bytes in every step; ``default_staging`` gives the measurements);
+    through the forward's tail and resident stretches; under a ``gpu_budget`` the larger
+    ring is taken from the resident weights, so every step streams its extra bytes,
+    without one it only takes more GPU memory; ``default_staging`` gives the
+    measurements);
     ``staging=`` sets the ring itself instead. ``quantize`` (``"fp8"`` or ``"int4"``,
     ``codegen/nn/quantize.py``) stores each streamed weight quantized in the arena,
     quantized on the GPU one weight at a time, and dequantizes each run of pieces on the
@@ -706,8 +708,9 @@ def offload(model: nn.Module, slices: int = 8, *, filter: Filter | None = None, 
         raise ValueError(f"codegen.nn.offload: staging={staging!r} sets the ring that "
                          f"optimize_for={optimize_for!r} would size; give one of them")
     if optimize_for != "decode" and not prefetch:
-        raise ValueError("codegen.nn.offload: optimize_for needs prefetch=True (it sizes the "
-                         "copy plan's staging, which prefetch=False does not use)")
+        raise ValueError(f"codegen.nn.offload: optimize_for={optimize_for!r} needs "
+                         "prefetch=True (it sizes the copy plan's staging, which "
+                         "prefetch=False does not use)")
     if quantize is not None and not prefetch:
         raise ValueError("codegen.nn.offload: quantize needs prefetch=True (the copy plan "
                          "dequantizes the pieces it streams; prefetch=False runs compiled "
@@ -985,7 +988,9 @@ def default_staging(layouts: list[Layout] | list[Resident], optimize_for: str = 
     at 4096 tokens of an 8B model; and resident stretches). Measured on the 8B-shaped
     model at a 50% budget (H100, two runs): prefill 4096 1.010-1.028x its copy floor with
     a whole layer against 1.062-1.075x with half, 1-3% faster; its decode step streams
-    the 208 MiB more, 3% slower. But at
+    the 208 MiB more, 3-6% slower. A quantized model's floors below may exceed a whole
+    layer already (the 8B model's: four weights, 224 MiB in fp8, 128 MiB in int4), and
+    then both steps get the same ring. But at
     least four copies of ``DEFAULT_COPY_BYTES`` where a lap streams four times that: the
     layers of a quantized model are a half or a quarter of their bf16 bytes, and half of
     one (54 MiB for an 8B model in int4) would cut the copies to 13 MiB, which the copy
@@ -997,6 +1002,9 @@ def default_staging(layouts: list[Layout] | list[Resident], optimize_for: str = 
     copies must all be in, and the ring holds the next ones meanwhile (measured: the 8B
     model's fp8 4096-token prefill 0.981x of a GEMM per piece with a 192 or 256 MiB ring,
     0.999x with 128 MiB)."""
+    if optimize_for not in OPTIMIZE_FOR:
+        raise ValueError(f"default_staging: optimize_for must be one of {OPTIMIZE_FOR}, got "
+                         f"{optimize_for!r}")
     layers: dict[str, int] = {}
     for lay in layouts:  # each weight as it is streamed (quantized, where it is)
         key = _layer_of(lay.name)
