@@ -377,20 +377,16 @@ def row_names(args: argparse.Namespace) -> list[str]:
     for kind in args.quantize:
         for p in args.quantize_budgets:
             names += [f"codegen_p{p}_{kind}", f"copy_p{p}_{kind}", f"dequant_p{p}_{kind}"]
+    def again(suffix: str) -> list[str]:
+        """The codegen rows (and their floors) again, named with ``suffix``."""
+        rows = [f"{kind}_p{p}{suffix}" for p in args.budgets for kind in ("codegen", "copy")]
+        return rows + [f"{kind}_p{p}_{q}{suffix}" for q in args.quantize
+                       for p in args.quantize_budgets for kind in ("codegen", "copy", "dequant")]
+
     for mib in args.staging:  # the same rows again with that staging
-        for p in args.budgets:
-            names += [f"codegen_p{p}_s{mib}", f"copy_p{p}_s{mib}"]
-        for kind in args.quantize:
-            for p in args.quantize_budgets:
-                names += [f"codegen_p{p}_{kind}_s{mib}", f"copy_p{p}_{kind}_s{mib}",
-                          f"dequant_p{p}_{kind}_s{mib}"]
+        names += again(f"_s{mib}")
     if args.prefill_plan:  # the same rows again, planned for prefill
-        for p in args.budgets:
-            names += [f"codegen_p{p}_prefill", f"copy_p{p}_prefill"]
-        for kind in args.quantize:
-            for p in args.quantize_budgets:
-                names += [f"codegen_p{p}_{kind}_prefill", f"copy_p{p}_{kind}_prefill",
-                          f"dequant_p{p}_{kind}_prefill"]
+        names += again("_prefill")
     names += [v for v in PREFETCHES if v in args.variants]
     if "accelerate" in args.variants and importlib.util.find_spec("accelerate") is not None:
         names += [f"accelerate_p{p}" for p in args.accelerate_budgets]

@@ -126,6 +126,17 @@ def test_a_staging_larger_than_the_budget_or_below_a_row_is_refused_by_name():
 # ---------------------------------------------------------------------------- the model
 
 
+def assert_forwards_match(model, ref, ids):
+    """Three forwards of the offloaded ``model`` equal ``ref``'s, all planned; the report."""
+    with torch.no_grad():
+        for _ in range(3):
+            torch.testing.assert_close(model(ids).logits, ref(ids).logits, rtol=1e-5,
+                                       atol=1e-5)
+    r = codegen.nn.report(model)
+    assert r.unplanned_calls == 0
+    return r
+
+
 @pytest.mark.parametrize("share", [0.0, 0.25, 0.5, 0.75, 1.0])
 def test_forwards_and_generate_match_the_original_at_every_budget(share):
     ref = tiny_llama(seed=5, layers=3)
@@ -145,13 +156,8 @@ def test_forwards_and_generate_match_the_original_at_every_budget(share):
             assert isinstance(m, codegen.nn.OffloadedLinear)
     # The arena holds the streamed weights only.
     assert codegen.nn.arena(model).nbytes <= plan.streamed_bytes + 2 * 21 * ALIGN
-    ids = torch.randint(0, 97, (2, 9))
-    with torch.no_grad():
-        for _ in range(3):
-            torch.testing.assert_close(model(ids).logits, ref(ids).logits, rtol=1e-5,
-                                       atol=1e-5)
-    r = codegen.nn.report(model)
-    assert r.unplanned_calls == 0 and r.linears == len(streamed)
+    r = assert_forwards_match(model, ref, torch.randint(0, 97, (2, 9)))
+    assert r.linears == len(streamed)
     assert r.bytes_moved == plan.streamed_bytes
     assert_same_greedy_generate(model, ref, torch.randint(0, 97, (1, 5)), 5)
 
@@ -239,13 +245,8 @@ def test_a_plan_for_prefill_under_a_budget_holds_it_and_matches_the_original(sha
     assert plan.ring_bytes == layer_bytes(ref) == 2 * decode.ring_bytes
     assert plan.gpu_bytes <= budget and decode.gpu_bytes <= budget
     assert plan.streamed_bytes > decode.streamed_bytes
-    ids = torch.randint(0, 97, (2, 11))
-    with torch.no_grad():
-        for _ in range(3):
-            torch.testing.assert_close(model(ids).logits, ref(ids).logits, rtol=1e-5,
-                                       atol=1e-5)
-    r = codegen.nn.report(model)
-    assert r.unplanned_calls == 0 and r.bytes_moved == plan.streamed_bytes
+    r = assert_forwards_match(model, ref, torch.randint(0, 97, (2, 11)))
+    assert r.bytes_moved == plan.streamed_bytes
     assert r.plan.optimize_for == "prefill"
     # A budget smaller than a whole layer's ring holds: the ring is what it leaves (no
     # biases here), in the allocator's 512-byte steps; the decode plan's is half a layer.
