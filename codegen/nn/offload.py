@@ -978,30 +978,29 @@ def _quantized_into(arena: Arena, offset: int, w: torch.Tensor, kind: str,
 
 
 def default_staging(layouts: list[Layout] | list[Resident], optimize_for: str = "decode") -> int:
-    """Half of the largest layer's offloaded bytes (layers named as ``_layer_of`` finds
-    them; a model without numbered layers is one layer), and no more than a lap;
+    """Half of the largest layer's offloaded bytes (layers named as ``_layer_of`` finds them; a
+    model without numbered layers is one layer), and no more than a lap;
     ``optimize_for="prefill"``: the whole layer. A decode step is bound by its copies, so
     the least ring that keeps them running is fastest. A long prefill under a budget where
     the copies take about as long as the GEMMs is not: with half a layer the copy engine
-    fills the ring and stops wherever the forward computes without streamed reads for
-    longer than the ring's copy time (the tail: lm_head over every position, about 6 ms
-    at 4096 tokens of an 8B model; and resident stretches). Measured on the 8B-shaped
-    model at a 50% budget (H100, two runs): prefill 4096 1.010-1.028x its copy floor with
-    a whole layer against 1.062-1.075x with half, 1-3% faster; its decode step streams
-    the 208 MiB more, 3-6% slower. A quantized model's floors below may exceed a whole
-    layer already (the 8B model's: four weights, 224 MiB in fp8, 128 MiB in int4), and
-    then both steps get the same ring. But at
-    least four copies of ``DEFAULT_COPY_BYTES`` where a lap streams four times that: the
-    layers of a quantized model are a half or a quarter of their bf16 bytes, and half of
-    one (54 MiB for an 8B model in int4) would cut the copies to 13 MiB, which the copy
-    engine moves more slowly, each with a GEMM piece's host time (measured: the 8B model's
-    int4 decode step at 2.7x its copy floor with a 54 MiB ring). And where weights are
-    quantized, at least four of the largest (no more than a lap), each counted up to the
-    quantized rows of one scratch (``SCRATCH_BYTES`` dequantized: an lm_head's 128256 rows
-    run as several GEMMs): a prefill's GEMM reads its scratch whole, dequantized, so its
-    copies must all be in, and the ring holds the next ones meanwhile (measured: the 8B
-    model's fp8 4096-token prefill 0.981x of a GEMM per piece with a 192 or 256 MiB ring,
-    0.999x with 128 MiB)."""
+    fills the ring and stops wherever the forward computes without streamed reads for longer
+    than the ring's copy time (the tail: lm_head over every position, about 6 ms at 4096
+    tokens of an 8B model; and resident stretches). Measured on the 8B-shaped model at a 50%
+    budget (H100, four runs): prefill 4096 1.010-1.028x its bound with a whole layer
+    against 1.044-1.075x with half, 0.3-2.7% faster; its decode step streams the 208 MiB
+    more, 3-6% slower. A quantized model's floors below may exceed a whole layer already
+    (the 8B model's: four weights, 224 MiB in fp8, 128 MiB in int4), and then both steps get
+    the same ring. But at least four copies of ``DEFAULT_COPY_BYTES`` where a lap streams
+    four times that: the layers of a quantized model are a half or a quarter of their bf16
+    bytes, and half of one (54 MiB for an 8B model in int4) would cut the copies to 13 MiB,
+    which the copy engine moves more slowly, each with a GEMM piece's host time (measured:
+    the 8B model's int4 decode step at 2.7x its copy floor with a 54 MiB ring). And where
+    weights are quantized, at least four of the largest (no more than a lap), each counted
+    up to the quantized rows of one scratch (``SCRATCH_BYTES`` dequantized: an lm_head's
+    128256 rows run as several GEMMs): a prefill's GEMM reads its scratch whole,
+    dequantized, so its copies must all be in, and the ring holds the next ones meanwhile
+    (measured: the 8B model's fp8 4096-token prefill 0.981x of a GEMM per piece with a 192
+    or 256 MiB ring, 0.999x with 128 MiB)."""
     if optimize_for not in OPTIMIZE_FOR:
         raise ValueError(f"default_staging: optimize_for must be one of {OPTIMIZE_FOR}, got "
                          f"{optimize_for!r}")
