@@ -402,12 +402,12 @@ def dry_run(args: argparse.Namespace) -> int:
     print(f"offloadable: {len(linears)} Linears, {format_bytes(total)}; rest of the model "
           f"{format_bytes(rest_bytes(model))}; rows: {', '.join(row_names(args))}")
     for plan_for in ("decode", "prefill") if args.prefill_plan else ("decode",):
-        for p in args.budgets:
-            budget = budget_bytes(model, p)
-            label = f"budget {format_bytes(budget)}"
-            if plan_for == "prefill" and not p:  # no budget: every weight streamed
+        for p in args.budgets:  # the budget each row gives offload()
+            budget, _ = budget_and_staging(model, p, None, plan_for == "prefill")
+            if budget is None:  # every weight streamed, through the plan's default ring
                 label, kept, ring = "no budget", frozenset(), default_staging(linears, plan_for)
             else:
+                label = f"budget {format_bytes(budget)}"
                 kept, ring = place(linears, budget, None, default_staging(linears, plan_for))
             resident = sum(linears[i].nbytes for i in kept)
             print(f"{p:3}%, for {plan_for}: {label}: {len(kept)} "

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -832,6 +833,15 @@ def test_offload_budget_bounds_a_quantized_row_by_the_gpu_model_plus_its_dequant
     half = sum(m.weight.numel() * 2 for _, m in offloadable(meta)) // 2
     assert budget_and_staging(meta, 50, None, prefill=True) == (half, None)
     assert budget_and_staging(meta, 50, None) == (half, None)
+    done = run_module("benchmarks.offload_budget", "--dry-run", "--layers", "2", "--budgets",
+                      "0,50", "--prefill-plan")
+    assert done.returncode == 0, done.stderr
+    rings = dict(re.findall(r"(\d+%, for \w+: [^:]+):.* ring ([\d.]+ MiB)", done.stdout))
+    # two layers of 416 MiB: the 0% budget is the decode ring; the prefill plan's a layer
+    assert rings == {"0%, for decode: budget 208.0 MiB": "208.0 MiB",
+                     "50%, for decode: budget 416.0 MiB": "208.0 MiB",
+                     "0%, for prefill: no budget": "416.0 MiB",
+                     "50%, for prefill: budget 416.0 MiB": "416.0 MiB"}, done.stdout
     done = run_module("benchmarks.offload_budget", "--dry-run", "--variants", "codegen,prefech")
     assert done.returncode == 2 and "--variants: unknown prefech; choose from" in done.stderr
 

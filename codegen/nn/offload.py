@@ -1009,12 +1009,13 @@ def default_staging(layouts: list[Layout] | list[Resident], optimize_for: str = 
         key = _layer_of(lay.name)
         layers[key] = layers.get(key, 0) + round_up(lay.streamed_weight_bytes, ALIGN)
     lap = sum(layers.values())
-    half = min(max(layers.values(), default=0) // (1 if optimize_for == "prefill" else 2), lap)
+    share = 1 if optimize_for == "prefill" else 2  # a whole layer, or half of one
+    by_layer = min(max(layers.values(), default=0) // share, lap)
     least = 4 * DEFAULT_COPY_BYTES if lap >= 16 * DEFAULT_COPY_BYTES else 0
     whole = min(4 * max((round_up(_scratch_rows(lay) * lay.streamed_weight_bytes
                                   // lay.out_features, ALIGN)
                          for lay in layouts if lay.quant is not None), default=0), lap)
-    return max(round_up(max(half, least, whole), ALIGN), ALIGN)
+    return max(round_up(max(by_layer, least, whole), ALIGN), ALIGN)
 
 
 def _scratch_rows(lay: Layout | Resident) -> int:
